@@ -1,0 +1,201 @@
+"""ONNX Runtime backend: one InferenceSession per instance.
+
+CPU execution provider by default; KIND_GPU instances use the CUDA provider (and TensorRT when
+the config's `optimization.execution_accelerators.gpu_execution_accelerator` names
+`tensorrt`), which needs onnxruntime-gpu (`pip install pier[gpu]`).
+Config parameters: `intra_op_thread_count`, `inter_op_thread_count` (as Triton's ORT backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from server.errors import ErrorCode, PierError, internal, invalid_arg, unavailable
+from server.types import InferenceRequest, ModelSignature, Tensor
+
+# ONNX tensor type strings -> KServe datatypes.
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+    "tensor(bfloat16)": "BF16",
+}
+_ONNX_BF16 = 16  # TensorProto.BFLOAT16
+
+
+def _datatype(ort_type: str, name: str) -> str:
+    try:
+        return _ORT_TYPES[ort_type]
+    except KeyError:
+        raise invalid_arg(f"onnx tensor '{name}' has type {ort_type}, which KServe cannot carry") from None
+
+
+def _shape(shape: Sequence[object]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
+
+
+def _session_options(model: ModelContext) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    params = model.spec.parameters
+    for key, attr in (("intra_op_thread_count", "intra_op_num_threads"),
+                      ("inter_op_thread_count", "inter_op_num_threads")):
+        if key in params:
+            try:
+                setattr(opts, attr, int(params[key]))
+            except ValueError:
+                raise invalid_arg(f"parameter '{key}' must be an integer, got '{params[key]}'") from None
+    return opts
+
+
+def _providers(model: ModelContext, instance: InstanceContext) -> list[object]:
+    if instance.kind != "KIND_GPU":
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise unavailable(
+            f"instance '{instance.name}' asks for KIND_GPU but onnxruntime has no CUDA execution "
+            f"provider (available: {', '.join(available)}); install onnxruntime-gpu (pier[gpu])"
+        )
+    device = {"device_id": instance.device_id or 0}
+    providers: list[object] = [("CUDAExecutionProvider", device)]
+    accel = (model.spec.config_json.get("optimization", {}).get("execution_accelerators", {})
+             .get("gpu_execution_accelerator", []))
+    if any(a.get("name") == "tensorrt" for a in accel):
+        if "TensorrtExecutionProvider" not in available:
+            raise unavailable("config asks for the tensorrt accelerator but onnxruntime lacks it")
+        providers.insert(0, ("TensorrtExecutionProvider", device))
+    return providers
+
+
+class OnnxInstance(ModelInstance):
+    def __init__(self, model: ModelContext, instance: InstanceContext) -> None:
+        path = model.model_path
+        if not path.exists():
+            raise unavailable(f"model file '{path}' does not exist")
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=_session_options(model), providers=_providers(model, instance)
+            )
+        except PierError:
+            raise
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise invalid_arg(f"onnxruntime failed to load '{path}': {exc}") from exc
+        self._in_types = {i.name: _datatype(i.type, i.name) for i in self._session.get_inputs()}
+        self._out_types = {o.name: _datatype(o.type, o.name) for o in self._session.get_outputs()}
+        self._all_outputs = list(self._out_types)
+        self._check_spec(model)
+        self._bf16 = "BF16" in self._in_types.values() or "BF16" in self._out_types.values()
+
+    def _check_spec(self, model: ModelContext) -> None:
+        """The config must describe tensors the model really has, with its datatypes."""
+        for specs, actual, kind in ((model.spec.inputs, self._in_types, "input"),
+                                    (model.spec.outputs, self._out_types, "output")):
+            for spec in specs:
+                if spec.name not in actual:
+                    raise invalid_arg(
+                        f"unable to load model '{model.spec.name}', configuration expects {kind} "
+                        f"'{spec.name}' but the ONNX model has {sorted(actual)}"
+                    )
+                if actual[spec.name] != spec.datatype:
+                    raise invalid_arg(
+                        f"unable to load model '{model.spec.name}', {kind} '{spec.name}' is "
+                        f"{actual[spec.name]} in the ONNX model but {spec.datatype} in the configuration"
+                    )
+
+    def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        return [self._run_one(r) for r in requests]
+
+    def _run_one(self, request: InferenceRequest) -> ExecuteResult:
+        names = request.output_names() or self._all_outputs
+        try:
+            if self._bf16:
+                values = self._run_ortvalues(request, names)
+            else:
+                feed = {t.name: _to_ort(t) for t in request.inputs}
+                values = self._session.run(names, feed)
+        except PierError as exc:
+            return exc
+        except Exception as exc:
+            code = ErrorCode.INVALID_ARG if "INVALID_ARGUMENT" in str(exc) else ErrorCode.INTERNAL
+            return PierError(code, f"onnxruntime error: {exc}")
+        outputs = []
+        for name, value in zip(names, values):
+            dt = self._out_types[name]
+            arr = _from_ort(value, dt)
+            outputs.append(Tensor(name, dt, list(arr.shape), arr))
+        return outputs
+
+    def _run_ortvalues(self, request: InferenceRequest, names: list[str]) -> list[np.ndarray]:
+        """Path for models with BF16 tensors: numpy has no bfloat16, so feed OrtValues."""
+        feed = {}
+        for t in request.inputs:
+            if t.datatype == "BF16":
+                feed[t.name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    np.ascontiguousarray(t.data), _ONNX_BF16)
+            else:
+                feed[t.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(_to_ort(t)))
+        outs = self._session.run_with_ort_values(names, feed)
+        result = []
+        for name, ov in zip(names, outs):
+            if self._out_types[name] == "BF16":
+                raise internal("onnxruntime's Python API cannot return BF16 outputs")
+            result.append(ov.numpy())
+        return result
+
+    def close(self) -> None:
+        del self._session
+
+
+def _to_ort(tensor: Tensor) -> np.ndarray:
+    if tensor.datatype == "BYTES":
+        # onnxruntime string tensors take Python str.
+        flat = [b.decode("utf-8", "surrogateescape") if isinstance(b, bytes) else str(b)
+                for b in tensor.data.reshape(-1)]
+        return np.array(flat, dtype=np.object_).reshape(tensor.data.shape)
+    return tensor.data
+
+
+def _from_ort(value: np.ndarray, datatype: str) -> np.ndarray:
+    value = np.asarray(value)
+    if datatype == "BYTES":
+        out = np.empty(value.shape, dtype=np.object_)
+        for idx, v in np.ndenumerate(value):
+            out[idx] = v.encode("utf-8", "surrogateescape") if isinstance(v, str) else bytes(v)
+        return out
+    return value
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    default_model_filename = "model.onnx"
+
+    def describe(self, model_path: Path) -> ModelSignature | None:
+        try:
+            sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise invalid_arg(f"onnxruntime failed to read '{model_path}': {exc}") from exc
+        return ModelSignature(
+            inputs=tuple((i.name, _datatype(i.type, i.name), _shape(i.shape)) for i in sess.get_inputs()),
+            outputs=tuple((o.name, _datatype(o.type, o.name), _shape(o.shape)) for o in sess.get_outputs()),
+        )
+
+    def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
+        return OnnxInstance(model, instance)
+
+
+BACKEND = OnnxRuntimeBackend()

@@ -1,0 +1,140 @@
+"""Composition root: builds the manager, plane and frontends; runs startup, serving and a
+graceful shutdown (SIGINT/SIGTERM: stop taking requests, finish in-flight ones within
+--exit-timeout-secs, unload, exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import prometheus_client
+from aiohttp import web
+
+from server.data_plane import DataPlane
+from server.frontends.grpc.servicer import start_grpc_server
+from server.frontends.http.app import build_app
+from server.repository.manager import RepositoryManager
+from server.settings import Settings
+
+log = logging.getLogger("pier")
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    header = ("Model", "Version", "Status")
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i]) for i in range(3)]
+    line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    fmt = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
+    return "\n".join([line, fmt.format(*header), line, *(fmt.format(*r) for r in rows), line])
+
+
+async def _metrics_handler(request: web.Request) -> web.Response:
+    body = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
+class PierServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.manager = RepositoryManager(
+            list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count
+        )
+        self.plane = DataPlane(self.manager, settings.strict_readiness)
+        self._runners: list[web.AppRunner] = []
+        self._grpc = None
+
+    async def start_endpoints(self) -> None:
+        s = self.settings
+        if s.allow_http:
+            await self._serve_http(build_app(self.plane, s.http_max_input_size), s.http_address, s.http_port)
+            log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
+        if s.allow_grpc:
+            address = f"{_host(s.grpc_address)}:{s.grpc_port}"
+            try:
+                self._grpc = await start_grpc_server(self.plane, address, s.grpc_max_message_size)
+            except RuntimeError as exc:
+                raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
+            log.info("Started GRPCInferenceService at %s", address)
+        if s.allow_metrics:
+            app = web.Application()
+            app.router.add_get("/metrics", _metrics_handler)
+            await self._serve_http(app, s.metrics_address, s.metrics_port)
+            log.info("Started Metrics Service at %s:%d", s.metrics_address, s.metrics_port)
+
+    async def _serve_http(self, app: web.Application, address: str, port: int) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, address, port, reuse_address=True).start()
+        self._runners.append(runner)
+
+    async def load_models(self) -> list[str]:
+        s = self.settings
+        if s.model_control_mode == "explicit" and "*" not in s.load_models:
+            errors = await self.manager.load_all(list(s.load_models))
+        else:
+            errors = await self.manager.load_all()
+        log.info("\n%s", _table(self.manager.status_table()))
+        return errors
+
+    async def shutdown(self) -> None:
+        self.plane.begin_exit()
+        try:
+            await asyncio.wait_for(self.plane.wait_idle(), self.settings.exit_timeout_secs)
+        except asyncio.TimeoutError:
+            log.warning("exit timeout: in-flight requests did not finish within %.0fs",
+                        self.settings.exit_timeout_secs)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        for runner in self._runners:
+            await runner.cleanup()
+        await self.manager.unload_all()
+
+
+async def serve(settings: Settings) -> int:
+    server = PierServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start_endpoints()
+    except OSError as exc:
+        log.error("failed to start: %s", exc)
+        await server.shutdown()
+        return 1
+    errors = await server.load_models()
+    if errors and settings.exit_on_error:
+        for e in errors:
+            log.error("%s", e)
+        log.error("exiting: a model failed to load and --exit-on-error is true")
+        await server.shutdown()
+        return 1
+    for e in errors:
+        log.warning("%s", e)
+    server.plane.mark_started()
+    log.info("Pier is ready")
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests")
+    await server.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def run(settings: Settings) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if settings.log_verbose > 0 else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(settings))

@@ -1,0 +1,75 @@
+"""Backend/platform strings -> backend classes, imported lazily so that a missing optional
+framework (torch, tensorrt) only fails the models that need it."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.base import Backend
+from server.errors import invalid_arg, unavailable
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    backend: str  # canonical backend name, as config `backend`
+    platform: str  # canonical platform string ("" when the backend has none)
+    module: str  # module with a `BACKEND` class attribute
+    default_model_filename: str
+    extra_names: tuple[str, ...] = ()
+
+
+_ENTRIES: tuple[BackendEntry, ...] = (
+    BackendEntry("onnxruntime", "onnxruntime_onnx", "backends.onnxruntime.backend", "model.onnx"),
+)
+
+_BY_NAME: dict[str, BackendEntry] = {}
+for _e in _ENTRIES:
+    for _n in (_e.backend, _e.platform, *_e.extra_names):
+        if _n:
+            _BY_NAME[_n] = _e
+
+_LOADED: dict[str, Backend] = {}
+
+
+def lookup(platform: str, backend: str) -> BackendEntry:
+    """The entry for a config's platform/backend pair; INVALID_ARG when unknown or inconsistent."""
+    by_platform = _BY_NAME.get(platform) if platform else None
+    by_backend = _BY_NAME.get(backend) if backend else None
+    if platform and by_platform is None:
+        raise invalid_arg(f"unknown platform '{platform}'")
+    if backend and by_backend is None:
+        raise invalid_arg(f"unable to find backend '{backend}'")
+    if by_platform and by_backend and by_platform is not by_backend:
+        raise invalid_arg(f"platform '{platform}' does not match backend '{backend}'")
+    entry = by_platform or by_backend
+    if entry is None:
+        raise invalid_arg("the model configuration must name a 'platform' or a 'backend'")
+    return entry
+
+
+def detect(version_dirs: list[Path]) -> BackendEntry | None:
+    """Guess the backend from the default model file present in a version folder."""
+    for entry in _ENTRIES:
+        for d in version_dirs:
+            if (d / entry.default_model_filename).exists():
+                return entry
+    return None
+
+
+def get_backend(entry: BackendEntry) -> Backend:
+    """Import (once) and return the backend object for `entry`."""
+    backend = _LOADED.get(entry.backend)
+    if backend is None:
+        try:
+            module = importlib.import_module(entry.module)
+        except ImportError as exc:
+            raise unavailable(
+                f"backend '{entry.backend}' is not available: {exc}. Install the extra it needs."
+            ) from exc
+        backend = module.BACKEND
+        if not isinstance(backend, Backend):  # pragma: no cover - programming error
+            raise TypeError(f"{entry.module}.BACKEND is not a Backend")
+        _LOADED[entry.backend] = backend
+    return backend

@@ -1,0 +1,105 @@
+"""`pier` command line: argv -> Settings -> app. Flags are named as tritonserver names them,
+and accept tritonserver's `--flag=value` spelling (booleans: true/false/1/0)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from server import __version__
+from server.settings import Settings
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve model repositories over HTTP and gRPC", allow_abbrev=False)
+    flag = p.add_argument
+    flag("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
+         help="model repository folder (repeatable)")
+    flag("--http-port", type=int, default=8000)
+    flag("--grpc-port", type=int, default=8001)
+    flag("--metrics-port", type=int, default=8002)
+    flag("--http-address", default="0.0.0.0")
+    flag("--grpc-address", default="0.0.0.0")
+    flag("--metrics-address", default="0.0.0.0")
+    for name in ("allow-http", "allow-grpc", "allow-metrics", "exit-on-error", "strict-readiness"):
+        flag(f"--{name}", type=_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    flag("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+         help="deprecated spelling of --disable-auto-complete-config")
+    flag("--disable-auto-complete-config", action="store_true")
+    flag("--model-control-mode", choices=("none", "explicit", "poll"), default="none")
+    flag("--load-model", action="append", default=[], metavar="NAME",
+         help="model to load at startup in explicit mode ('*' = all)")
+    flag("--exit-timeout-secs", type=float, default=30.0)
+    flag("--log-verbose", type=int, default=0)
+    flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
+    flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
+    flag("--model-load-thread-count", type=int, default=4)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pier", description="Pier model server", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"pier {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
+    repos = tuple(Path(r) for r in args.model_repository)
+    for r in repos:
+        if not r.is_dir():
+            parser.error(f"--model-repository {r}: no such folder")
+    if args.load_model and args.model_control_mode != "explicit":
+        parser.error("--load-model requires --model-control-mode=explicit")
+    if "*" in args.load_model and len(args.load_model) > 1:
+        parser.error("--load-model=* must be the only --load-model")
+    if args.model_control_mode == "poll":
+        parser.error("--model-control-mode=poll is not supported yet (use none or explicit)")
+    return Settings(
+        model_repositories=repos,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        http_address=args.http_address,
+        grpc_address=args.grpc_address,
+        metrics_address=args.metrics_address,
+        allow_http=args.allow_http,
+        allow_grpc=args.allow_grpc,
+        allow_metrics=args.allow_metrics,
+        model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        auto_complete_config=not (args.disable_auto_complete_config or args.strict_model_config),
+        exit_on_error=args.exit_on_error,
+        strict_readiness=args.strict_readiness,
+        exit_timeout_secs=args.exit_timeout_secs,
+        log_verbose=args.log_verbose,
+        http_max_input_size=args.http_max_input_size,
+        grpc_max_message_size=args.grpc_max_message_size,
+        model_load_thread_count=args.model_load_thread_count,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from server.app import run
+
+        return run(settings_from_args(args, parser))
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

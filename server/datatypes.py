@@ -1,0 +1,166 @@
+"""KServe-v2 datatypes: names, numpy dtypes, config enums, and raw (binary) tensor layout.
+
+Raw layout (HTTP binary extension, gRPC raw contents, shared memory): little-endian, row-major,
+no padding; BOOL is one byte; each BYTES element is a uint32 little-endian length then its bytes.
+BF16 has no numpy dtype: it travels as its raw 16-bit patterns in a uint16 array.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from server.errors import invalid_arg
+
+_NUMPY: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "BF16": np.dtype("<u2"),
+    "BYTES": np.dtype(np.object_),
+}
+
+DATATYPES: tuple[str, ...] = tuple(_NUMPY)
+
+_FROM_NUMPY: dict[np.dtype, str] = {
+    dt: name for name, dt in _NUMPY.items() if name not in ("BF16",)
+}
+_FROM_NUMPY[np.dtype(np.bytes_)] = "BYTES"
+_FROM_NUMPY[np.dtype(np.str_)] = "BYTES"
+
+# Datatypes JSON cannot carry (Triton: "use binary data format").
+JSON_UNSUPPORTED = frozenset({"FP16", "BF16"})
+
+_LEN = struct.Struct("<I")
+
+
+def is_datatype(name: str) -> bool:
+    return name in _NUMPY
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype that holds `datatype` elements (object for BYTES, uint16 for BF16)."""
+    try:
+        return _NUMPY[datatype]
+    except KeyError:
+        raise invalid_arg(f"invalid datatype '{datatype}'") from None
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    """KServe datatype for a numpy dtype (BYTES for object/bytes/str arrays)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in ("S", "U", "O"):
+        return "BYTES"
+    name = _FROM_NUMPY.get(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
+    if name is None:
+        raise invalid_arg(f"numpy dtype {dtype} has no KServe datatype")
+    return name
+
+
+def element_size(datatype: str) -> int | None:
+    """Bytes per element, or None for BYTES (variable length)."""
+    if datatype == "BYTES":
+        return None
+    return numpy_dtype(datatype).itemsize
+
+
+def config_to_datatype(config_type: str) -> str:
+    """Model-config enum name (TYPE_FP32, TYPE_STRING) -> KServe datatype (FP32, BYTES)."""
+    name = config_type[5:] if config_type.startswith("TYPE_") else config_type
+    return "BYTES" if name == "STRING" else name
+
+
+def datatype_to_config(datatype: str) -> str:
+    """KServe datatype -> model-config enum name."""
+    return "TYPE_STRING" if datatype == "BYTES" else "TYPE_" + datatype
+
+
+def element_count(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def to_bytes_element(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, np.generic):
+        return to_bytes_element(value.item())
+    return str(value).encode("utf-8")
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """Length-prefixed layout of a BYTES tensor (row-major)."""
+    parts: list[bytes] = []
+    for item in array.reshape(-1):
+        b = to_bytes_element(item)
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.ndarray:
+    """Parse exactly `count` length-prefixed elements that must fill `buffer` exactly."""
+    view = memoryview(buffer)
+    out = np.empty(count, dtype=np.object_)
+    offset, size = 0, len(view)
+    for i in range(count):
+        if offset + 4 > size:
+            raise invalid_arg(
+                f"unexpected number of string elements for input '{name}': "
+                f"expected {count}, buffer holds only {i}"
+            )
+        (length,) = _LEN.unpack_from(view, offset)
+        offset += 4
+        if offset + length > size:
+            raise invalid_arg(
+                f"element {i} of BYTES input '{name}' claims {length} bytes but only "
+                f"{size - offset} remain in the buffer"
+            )
+        out[i] = bytes(view[offset : offset + length])
+        offset += length
+    if offset != size:
+        raise invalid_arg(
+            f"unexpected number of string elements for input '{name}': buffer holds more than "
+            f"the {count} elements its shape declares"
+        )
+    return out
+
+
+def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+    """Decode a raw tensor buffer, checking its size against datatype and shape."""
+    count = element_count(shape)
+    if datatype == "BYTES":
+        return deserialize_bytes(buffer, count, name).reshape(shape)
+    dtype = numpy_dtype(datatype)
+    expected = count * dtype.itemsize
+    if len(buffer) != expected:
+        raise invalid_arg(
+            f"unexpected size {len(buffer)} for input '{name}', expecting {expected} bytes "
+            f"for {datatype} shape {list(shape)}"
+        )
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def to_raw(array: np.ndarray, datatype: str) -> bytes:
+    """Encode a tensor in the raw layout."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    dtype = numpy_dtype(datatype)
+    if array.dtype != dtype:
+        array = array.astype(dtype)
+    return np.ascontiguousarray(array).tobytes()

@@ -1,0 +1,51 @@
+"""Protocol-neutral errors. Frontends map `ErrorCode` to HTTP status / gRPC code at the edge."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """Mirrors Triton's core status codes (TRITONSERVER_Error_Code)."""
+
+    UNKNOWN = "UNKNOWN"
+    INTERNAL = "INTERNAL"
+    NOT_FOUND = "NOT_FOUND"
+    INVALID_ARG = "INVALID_ARG"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+    TOO_LARGE = "TOO_LARGE"
+
+
+class PierError(Exception):
+    """An error with a code the frontends know how to report. The message is user-facing."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"PierError({self.code.name}, {self.message!r})"
+
+
+def invalid_arg(message: str) -> PierError:
+    return PierError(ErrorCode.INVALID_ARG, message)
+
+
+def not_found(message: str) -> PierError:
+    return PierError(ErrorCode.NOT_FOUND, message)
+
+
+def unavailable(message: str) -> PierError:
+    return PierError(ErrorCode.UNAVAILABLE, message)
+
+
+def unsupported(message: str) -> PierError:
+    return PierError(ErrorCode.UNSUPPORTED, message)
+
+
+def internal(message: str) -> PierError:
+    return PierError(ErrorCode.INTERNAL, message)

@@ -1,0 +1,126 @@
+"""ModelInferRequest/Response <-> InferenceRequest/InferenceResponse. Inputs may come as
+`raw_input_contents` (one blob per input) or typed `contents`; outputs always go back as
+`raw_output_contents`, as Triton does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, to_raw
+from server.errors import invalid_arg, unsupported
+from server.protocol import grpc_service_pb2 as pb
+from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+# datatype -> InferTensorContents field
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def param_value(p: Any) -> Any:
+    """InferParameter / ModelRepositoryParameter -> Python value."""
+    which = p.WhichOneof("parameter_choice")
+    return getattr(p, which) if which else None
+
+
+def set_param(target: Any, value: Any) -> None:
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        target.int64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = str(value)
+
+
+def params_dict(params: Any) -> dict[str, Any]:
+    return {k: param_value(v) for k, v in params.items()}
+
+
+def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
+    raw = req.raw_input_contents
+    if raw and len(raw) != len(req.inputs):
+        raise invalid_arg(
+            f"raw_input_contents has {len(raw)} entries but the request has {len(req.inputs)} inputs"
+        )
+    inputs = []
+    for i, t in enumerate(req.inputs):
+        name, datatype = t.name, t.datatype
+        if not is_datatype(datatype):
+            raise invalid_arg(f"input '{name}' has invalid datatype '{datatype}'")
+        shape = list(t.shape)
+        if any(d < 0 for d in shape):
+            raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
+        params = params_dict(t.parameters)
+        if "shared_memory_region" in params:
+            raise unsupported("shared-memory inputs are not supported yet")
+        if raw:
+            if t.HasField("contents"):
+                raise invalid_arg(
+                    f"input '{name}': contents and raw_input_contents cannot be mixed in one request"
+                )
+            data = from_raw(raw[i], datatype, shape, name)
+        else:
+            data = _from_contents(t, datatype, shape)
+        inputs.append(Tensor(name, datatype, shape, data, params))
+    outputs = []
+    for o in req.outputs:
+        params = params_dict(o.parameters)
+        if "classification" in params:
+            raise unsupported("the classification extension is not supported")
+        if "shared_memory_region" in params:
+            raise unsupported("shared-memory outputs are not supported yet")
+        outputs.append(RequestedOutput(o.name, params))
+    params = params_dict(req.parameters)
+    for key in params:
+        if key.startswith("triton_"):
+            raise invalid_arg(f"parameter '{key}' is reserved (the 'triton_' prefix belongs to the server)")
+    return InferenceRequest(req.model_name, req.model_version, inputs, outputs, req.id, params)
+
+
+def _from_contents(t: Any, datatype: str, shape: list[int]) -> np.ndarray:
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        raise invalid_arg(f"input '{t.name}' is {datatype}, which must be sent in raw_input_contents")
+    values = getattr(t.contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise invalid_arg(
+            f"unexpected number of elements in contents of input '{t.name}': shape {shape} needs {count}, "
+            f"got {len(values)}"
+        )
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=np.object_)
+        arr[:] = list(values)
+        return arr.reshape(shape)
+    dtype = numpy_dtype(datatype)
+    arr = np.asarray(values)
+    if arr.size and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if arr.min() < info.min or arr.max() > info.max:
+            raise invalid_arg(f"a value of input '{t.name}' is out of range for {datatype}")
+    return arr.astype(dtype, copy=False).reshape(shape)
+
+
+def encode_response(resp: InferenceResponse) -> pb.ModelInferResponse:
+    out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
+    for t in resp.outputs:
+        o = out.outputs.add()
+        o.name = t.name
+        o.datatype = t.datatype
+        o.shape.extend(t.shape)
+        for k, v in t.parameters.items():
+            set_param(o.parameters[k], v)
+        out.raw_output_contents.append(to_raw(t.data, t.datatype))
+    for k, v in resp.parameters.items():
+        set_param(out.parameters[k], v)
+    return out

@@ -1,0 +1,131 @@
+"""aiohttp application for KServe v2 + Triton extensions. Handlers only translate: wire ->
+DataPlane -> wire. Unknown paths answer 404 {"error":"Not Found"}, wrong verbs 405."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from server.data_plane import DataPlane
+from server.errors import ErrorCode, PierError
+from server.frontends.http import codec
+from server.frontends.http.errors import error_response, from_error
+
+log = logging.getLogger("pier.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_EMPTY_OK = web.Response(status=200)
+
+
+def _json(doc: object) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+
+def _empty(status: int) -> web.Response:
+    return web.Response(status=status)
+
+
+def _version(request: web.Request) -> str:
+    return request.match_info.get("version", "")
+
+
+class HttpHandlers:
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _empty(200 if self.plane.live() else 400)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return _empty(200 if self.plane.ready() else 400)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json(self.plane.server_metadata())
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        return _json(self.plane.model_metadata(request.match_info["model"], _version(request)))
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        # Real Triton 2.51 answers an unknown or unready model with 400 and an empty body.
+        try:
+            ok = self.plane.model_ready(request.match_info["model"], _version(request))
+        except PierError:
+            ok = False
+        return _empty(200 if ok else 400)
+
+    async def model_config(self, request: web.Request) -> web.Response:
+        return _json(self.plane.model_config_json(request.match_info["model"], _version(request)))
+
+    async def model_stats(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("model", "")
+        return _json({"model_stats": self.plane.statistics(name, _version(request))})
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        ready = False
+        if body.strip():
+            doc = codec.parse_json(body)
+            if not isinstance(doc, dict):
+                raise PierError(ErrorCode.INVALID_ARG, "the index request must be a JSON object")
+            ready = doc.get("ready", False) is True
+        return _json(self.plane.repository_index(ready))
+
+    async def not_yet(self, request: web.Request) -> web.Response:
+        raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
+
+    async def infer(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+        infer_request = codec.decode_request(request.match_info["model"], _version(request), body, json_length)
+        response = await self.plane.infer(infer_request)
+        payload, header_len = codec.encode_response(response, infer_request)
+        if header_len is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(
+            body=payload,
+            content_type="application/octet-stream",
+            headers={codec.HEADER_LENGTH: str(header_len)},
+        )
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except PierError as exc:
+        return from_error(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, f"request body is too large: {exc.text}. Raise --http-max-input-size.")
+    except web.HTTPNotFound:
+        return error_response(404, "Not Found")
+    except web.HTTPMethodNotAllowed:
+        return error_response(405, "Method Not Allowed")
+    except web.HTTPException as exc:
+        return error_response(exc.status, exc.reason)
+    except Exception as exc:  # never let a bug turn into a dropped connection
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def build_app(plane: DataPlane, max_input_size: int) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_input_size)
+    h = HttpHandlers(plane)
+    model = "/v2/models/{model}"
+    versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
+    r = app.router
+    r.add_get("/v2/health/live", h.live)
+    r.add_get("/v2/health/ready", h.ready)
+    r.add_get("/v2", h.server_metadata)
+    r.add_get("/v2/models/stats", h.model_stats)
+    for base in (model, versioned):
+        r.add_get(base, h.model_metadata)
+        r.add_get(base + "/ready", h.model_ready)
+        r.add_get(base + "/config", h.model_config)
+        r.add_get(base + "/stats", h.model_stats)
+        r.add_post(base + "/infer", h.infer)
+    r.add_post("/v2/repository/index", h.repository_index)
+    r.add_post("/v2/repository/models/{model}/load", h.not_yet)
+    r.add_post("/v2/repository/models/{model}/unload", h.not_yet)
+    return app

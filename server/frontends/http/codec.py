@@ -1,0 +1,173 @@
+"""KServe-v2 HTTP infer bodies <-> InferenceRequest/InferenceResponse, with Triton's binary
+tensor data extension (JSON header + raw blobs, `Inference-Header-Content-Length`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from server.datatypes import JSON_UNSUPPORTED, from_raw, is_datatype, to_raw
+from server.errors import internal, invalid_arg, unsupported
+from server.frontends.json_data import array_from_json, array_to_json
+from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def parse_json(body: bytes | memoryview, what: str = "request JSON") -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the {what}: {exc}") from None
+
+
+def header_length(value: str | None, body_length: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise invalid_arg(f"{HEADER_LENGTH} header must be an integer, got '{value}'") from None
+    if n < 0 or n > body_length:
+        raise invalid_arg(
+            f"{HEADER_LENGTH} header value {n} is out of range: the body has {body_length} bytes"
+        )
+    return n
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid_arg(f"'{what}' must be a JSON object")
+    return value
+
+
+def decode_request(model: str, version: str, body: bytes, json_length: int | None) -> InferenceRequest:
+    """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON)."""
+    view = memoryview(body)
+    if json_length is None:
+        header, blobs = view, view[len(view):]
+    elif json_length == 0:
+        raise unsupported("raw binary requests (Inference-Header-Content-Length: 0) are not supported; "
+                          "send a JSON header with binary_data_size")
+    else:
+        header, blobs = view[:json_length], view[json_length:]
+    doc = parse_json(header)
+    if not isinstance(doc, dict):
+        raise invalid_arg("the request JSON must be an object")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise invalid_arg("the request JSON must have a non-empty 'inputs' array")
+    offset = 0
+    inputs: list[Tensor] = []
+    for i, item in enumerate(raw_inputs):
+        tensor, offset = _decode_input(item, i, blobs, offset)
+        inputs.append(tensor)
+    if offset != len(blobs):
+        raise invalid_arg(
+            f"the request body has {len(blobs) - offset} bytes of binary data that no input claims"
+        )
+    outputs = []
+    raw_outputs = doc.get("outputs", [])
+    if not isinstance(raw_outputs, list):
+        raise invalid_arg("'outputs' must be an array")
+    for item in raw_outputs:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise invalid_arg("each requested output must be an object with a 'name'")
+        params = _dict(item.get("parameters"), "outputs.parameters")
+        if "classification" in params:
+            raise unsupported("the classification extension is not supported")
+        if "shared_memory_region" in params:
+            raise unsupported("shared-memory outputs are not supported yet")
+        outputs.append(RequestedOutput(item["name"], params))
+    rid = doc.get("id", "")
+    if not isinstance(rid, str):
+        raise invalid_arg("'id' must be a string")
+    params = _dict(doc.get("parameters"), "parameters")
+    _check_reserved(params)
+    return InferenceRequest(model, version, inputs, outputs, rid, params)
+
+
+def _check_reserved(params: dict[str, Any]) -> None:
+    for key in params:
+        if key.startswith("triton_"):
+            raise invalid_arg(f"parameter '{key}' is reserved (the 'triton_' prefix belongs to the server)")
+
+
+def _decode_input(item: Any, index: int, blobs: memoryview, offset: int) -> tuple[Tensor, int]:
+    if not isinstance(item, dict):
+        raise invalid_arg(f"input {index} must be a JSON object")
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid_arg(f"input {index} must have a 'name'")
+    datatype = item.get("datatype")
+    if not isinstance(datatype, str) or not is_datatype(datatype):
+        raise invalid_arg(f"input '{name}' has invalid datatype {datatype!r}")
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise invalid_arg(f"input '{name}' must have a 'shape' array of integers")
+    if any(d < 0 for d in shape):
+        raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
+    params = _dict(item.get("parameters"), f"parameters of input '{name}'")
+    if "shared_memory_region" in params:
+        raise unsupported("shared-memory inputs are not supported yet")
+    size = params.get("binary_data_size")
+    has_data = "data" in item
+    if size is not None:
+        if has_data:
+            raise invalid_arg(f"input '{name}' has both 'data' and binary_data_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise invalid_arg(f"binary_data_size of input '{name}' must be a non-negative integer")
+        if offset + size > len(blobs):
+            raise invalid_arg(
+                f"input '{name}' claims {size} bytes of binary data but only {len(blobs) - offset} remain "
+                "in the request body"
+            )
+        data = from_raw(blobs[offset:offset + size], datatype, shape, name)
+        offset += size
+    elif has_data:
+        data = array_from_json(item["data"], datatype, shape, name)
+    else:
+        raise invalid_arg(f"input '{name}' must have 'data' or a binary_data_size parameter")
+    rest = {k: v for k, v in params.items() if k != "binary_data_size"}
+    return Tensor(name, datatype, shape, data, rest), offset
+
+
+def encode_response(response: InferenceResponse, request: InferenceRequest) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header length when binary blobs follow (else None)."""
+    default_binary = request.parameters.get("binary_data_output", False) is True
+    wanted = {o.name: o.parameters for o in request.outputs}
+    outs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for t in response.outputs:
+        p = wanted.get(t.name, {})
+        binary = p.get("binary_data", default_binary) is True or t.datatype in JSON_UNSUPPORTED
+        entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+        if binary:
+            blob = to_raw(t.data, t.datatype)
+            entry["parameters"] = {**t.parameters, "binary_data_size": len(blob)}
+            if blob:
+                blobs.append(blob)
+        else:
+            if t.parameters:
+                entry["parameters"] = t.parameters
+            entry["data"] = array_to_json(t.data, t.datatype)
+        outs.append(entry)
+    doc: dict[str, Any] = {}
+    if response.id:
+        doc["id"] = response.id
+    doc["model_name"] = response.model_name
+    doc["model_version"] = response.model_version
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outs
+    try:
+        header = orjson.dumps(doc, option=_JSON_OPTS)
+    except TypeError as exc:
+        raise internal(f"cannot encode an output as JSON: {exc}") from None
+    if not blobs and not any("binary_data_size" in o.get("parameters", {}) for o in outs):
+        return header, None
+    return b"".join([header, *blobs]), len(header)

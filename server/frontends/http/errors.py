@@ -1,0 +1,28 @@
+"""ErrorCode -> HTTP status (Triton's HttpCodeFromError, plus 413 for oversized bodies)."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from server.errors import ErrorCode, PierError
+
+_STATUS = {
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.TOO_LARGE: 413,
+}
+
+
+def http_status(code: ErrorCode) -> int:
+    return _STATUS.get(code, 400)
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps({"error": message}), content_type="application/json")
+
+
+def from_error(exc: PierError) -> web.Response:
+    return error_response(http_status(exc.code), exc.message)

@@ -1,0 +1,77 @@
+"""JSON `data` <-> numpy for KServe tensors, shared by the HTTP codecs (infer, later generate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from server.datatypes import JSON_UNSUPPORTED, element_count, numpy_dtype, to_bytes_element
+from server.errors import invalid_arg
+
+# numpy kinds a JSON array may hold for each target kind (b=bool, i/u=int, f=float).
+_ACCEPT = {"b": "b", "i": "iub", "u": "iub", "f": "iubf"}
+
+
+def _flatten_strings(data: Any, out: list[bytes], name: str, depth: int = 0) -> None:
+    if isinstance(data, list):
+        if depth > 64:
+            raise invalid_arg(f"'data' of input '{name}' is nested too deeply")
+        for item in data:
+            _flatten_strings(item, out, name, depth + 1)
+    elif isinstance(data, str):
+        out.append(data.encode("utf-8"))
+    elif isinstance(data, (int, float, bool)):
+        out.append(to_bytes_element(data))
+    else:
+        raise invalid_arg(f"unable to parse 'data' of BYTES input '{name}': elements must be strings")
+
+
+def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np.ndarray:
+    """Build the tensor for `data` (nested or flat, row-major) and check its element count."""
+    if datatype in JSON_UNSUPPORTED:
+        raise invalid_arg(
+            f"input '{name}' has datatype {datatype}, which JSON cannot carry: use the binary data format"
+        )
+    count = element_count(shape)
+    if not isinstance(data, list):
+        data = [data]
+    if datatype == "BYTES":
+        items: list[bytes] = []
+        _flatten_strings(data, items, name)
+        if len(items) != count:
+            raise _count_error(name, count, len(items), shape)
+        arr = np.empty(count, dtype=np.object_)
+        arr[:] = items
+        return arr.reshape(shape)
+    dtype = numpy_dtype(datatype)
+    try:
+        raw = np.asarray(data)
+    except (ValueError, TypeError, RecursionError):
+        raise invalid_arg(f"unable to parse 'data' of input '{name}': arrays must be regular (not ragged)") from None
+    if raw.size != count:
+        raise _count_error(name, count, raw.size, shape)
+    if raw.size and raw.dtype.kind not in _ACCEPT[dtype.kind]:
+        raise invalid_arg(
+            f"unable to parse 'data' of input '{name}': expected {datatype} values, got "
+            f"{'strings' if raw.dtype.kind in 'US' else 'values of another type'}"
+        )
+    if raw.size and dtype.kind in "iu" and raw.dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if raw.min() < info.min or raw.max() > info.max:
+            raise invalid_arg(f"a value of input '{name}' is out of range for {datatype}")
+    return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _count_error(name: str, expected: int, got: int, shape: list[int]):
+    return invalid_arg(
+        f"unexpected number of elements in 'data' of input '{name}': shape {shape} needs {expected}, got {got}"
+    )
+
+
+def array_to_json(array: np.ndarray, datatype: str) -> Any:
+    """Flat JSON list for an output (BYTES as UTF-8 text)."""
+    flat = array.reshape(-1)
+    if datatype == "BYTES":
+        return [to_bytes_element(x).decode("utf-8", "replace") for x in flat]
+    return flat  # orjson serializes numpy arrays natively (OPT_SERIALIZE_NUMPY)

@@ -1,0 +1,67 @@
+"""A model version that is loaded: its spec, its instances behind one scheduler, its stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from backends.base import Backend, InstanceContext, ModelContext, ModelInstance
+from server.errors import unavailable
+from server.scheduling.base import Scheduler
+from server.scheduling.direct import DirectScheduler
+from server.statistics import ModelStatistics
+from server.types import ModelSpec
+
+
+class LoadedModel:
+    """Owns one scheduler. Built by `load` (blocking: run it off the event loop's hot path)."""
+
+    def __init__(self, spec: ModelSpec, config: Any, version: int, scheduler: Scheduler,
+                 stats: ModelStatistics) -> None:
+        self.spec = spec
+        self.config = config  # the completed ModelConfig message (gRPC ModelConfig answers it)
+        self.version = version
+        self.version_str = str(version)
+        self.scheduler = scheduler
+        self.stats = stats
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+
+
+def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir: Path,
+                     gpu_count: int) -> list[ModelInstance]:
+    """Blocking: one backend instance per configured instance (KIND_GPU: per listed GPU)."""
+    ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version))
+    instances: list[ModelInstance] = []
+    try:
+        for group in spec.instance_groups:
+            if group.kind == "KIND_GPU":
+                gpus = list(group.gpus) or list(range(gpu_count))
+                missing = [g for g in gpus if g >= gpu_count]
+                if not gpus or missing:
+                    raise unavailable(
+                        f"instance group '{group.name}' of model '{spec.name}' asks for GPU "
+                        f"{missing or 'devices'} but this machine has {gpu_count} GPU(s)"
+                    )
+                for gpu in gpus:
+                    for i in range(group.count):
+                        inst = InstanceContext(f"{group.name}_{i}_gpu{gpu}", "KIND_GPU", gpu)
+                        instances.append(backend.create_instance(ctx, inst))
+            else:
+                for i in range(group.count):
+                    inst = InstanceContext(f"{group.name}_{i}", "KIND_CPU", None)
+                    instances.append(backend.create_instance(ctx, inst))
+    except BaseException:
+        for inst in instances:
+            inst.close()
+        raise
+    return instances
+
+
+def build_loaded_model(spec: ModelSpec, config: Any, version: int,
+                       instances: list[ModelInstance]) -> LoadedModel:
+    """On the event loop: wrap instances in the scheduler the config asks for."""
+    stats = ModelStatistics()
+    scheduler = DirectScheduler(instances, stats)
+    return LoadedModel(spec, config, version, scheduler, stats)

@@ -1,0 +1,303 @@
+"""config.pbtxt -> validated, completed ModelConfig -> frozen ModelSpec.
+
+Parsing uses protobuf's text format on our wire-compatible ModelConfig, so any Triton config
+parses unchanged. Every error names the file (and, for syntax errors, line and column).
+Completion follows Triton: platform/backend filled from each other or from the model file,
+default file name, version policy, instance groups, dynamic-batching preferred size, and (with
+auto-complete on) inputs/outputs/max_batch_size read from the model itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
+
+from server import backend_registry
+from server.datatypes import config_to_datatype, datatype_to_config
+from server.errors import PierError, invalid_arg
+from server.protocol import model_config_pb2 as mc
+from server.types import InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
+
+ModelConfig = mc.ModelConfig
+Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]
+
+
+def parse_config_text(text: str, source: str) -> mc.ModelConfig:
+    """Parse config.pbtxt text; errors read '<source>:<line>:<col>: <problem>'."""
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        line, col = exc.GetLine(), exc.GetColumn()
+        problem = str(exc)
+        # ParseError's text starts with "line:col : " when it knows the position.
+        if line is not None and " : " in problem:
+            problem = problem.split(" : ", 1)[1]
+        where = f"{source}:{line}:{col}" if line is not None else source
+        raise invalid_arg(f"failed to parse model configuration {where}: {problem}") from None
+    return config
+
+
+def parse_config_file(path: Path) -> mc.ModelConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise invalid_arg(f"failed to read model configuration {path}: {exc}") from None
+    return parse_config_text(text, str(path))
+
+
+def config_from_json(text: str, source: str) -> mc.ModelConfig:
+    """A JSON ModelConfig (repository-load `config` override)."""
+    config = mc.ModelConfig()
+    try:
+        json_format.Parse(text, config)
+    except json_format.ParseError as exc:
+        raise invalid_arg(f"failed to parse model configuration {source}: {exc}") from None
+    return config
+
+
+def complete_config(
+    config: mc.ModelConfig,
+    model_name: str,
+    version_dirs: list[Path],
+    source: str,
+    auto_complete: bool,
+    describe: Describe,
+) -> mc.ModelConfig:
+    """Fill what Triton fills, then validate. Returns a new message; `config` is not changed."""
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    if out.name and out.name != model_name:
+        raise invalid_arg(
+            f"{source}: model name '{out.name}' does not match the name of its folder '{model_name}'"
+        )
+    out.name = model_name
+    entry = _resolve_backend(out, version_dirs, source, auto_complete)
+    if not out.default_model_filename:
+        out.default_model_filename = entry.default_model_filename
+    if auto_complete and (not out.input or not out.output):
+        _auto_complete_io(out, entry, version_dirs, describe, source)
+    if not out.HasField("version_policy"):
+        out.version_policy.latest.num_versions = 1
+    elif out.version_policy.HasField("latest") and out.version_policy.latest.num_versions == 0:
+        out.version_policy.latest.num_versions = 1
+    _complete_instance_groups(out)
+    if out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size:
+        if out.max_batch_size > 0:
+            out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
+    if not out.HasField("optimization"):
+        out.optimization.input_pinned_memory.enable = True
+        out.optimization.output_pinned_memory.enable = True
+    validate_config(out, source)
+    return out
+
+
+def _resolve_backend(
+    config: mc.ModelConfig, version_dirs: list[Path], source: str, auto_complete: bool
+) -> backend_registry.BackendEntry:
+    if not config.platform and not config.backend:
+        entry = backend_registry.detect(version_dirs) if auto_complete else None
+        if entry is None:
+            raise invalid_arg(
+                f"{source}: the configuration names no 'platform' or 'backend' and none could be "
+                "inferred from the model files"
+            )
+    else:
+        try:
+            entry = backend_registry.lookup(config.platform, config.backend)
+        except PierError as exc:
+            raise invalid_arg(f"{source}: {exc.message}") from None
+    config.backend = config.backend or entry.backend
+    if entry.platform and not config.platform:
+        config.platform = entry.platform
+    return entry
+
+
+def _auto_complete_io(
+    config: mc.ModelConfig,
+    entry: backend_registry.BackendEntry,
+    version_dirs: list[Path],
+    describe: Describe,
+    source: str,
+) -> None:
+    """Fill inputs/outputs (and max_batch_size) from the newest version's model file."""
+    for d in sorted(version_dirs, key=lambda p: int(p.name), reverse=True):
+        path = d / config.default_model_filename
+        if path.exists():
+            break
+    else:
+        return
+    sig = describe(entry, path)
+    if sig is None:
+        return
+    all_shapes = [s for _, _, s in sig.inputs + sig.outputs]
+    if config.max_batch_size == 0 and not config.input and not config.output:
+        # Triton's ORT backend: batchable when every tensor has a variable first dim.
+        if all_shapes and all(len(s) >= 1 and s[0] == -1 for s in all_shapes):
+            config.max_batch_size = 4
+            if not _has_scheduler(config):
+                config.dynamic_batching.SetInParent()
+    strip = 1 if config.max_batch_size > 0 else 0
+    for target, tensors in ((config.input, sig.inputs), (config.output, sig.outputs)):
+        if len(target) > 0:
+            continue
+        for name, datatype, shape in tensors:
+            t = target.add()
+            t.name = name
+            t.data_type = mc.DataType.Value(datatype_to_config(datatype))
+            t.dims.extend(shape[strip:])
+    del source
+
+
+def _has_scheduler(config: mc.ModelConfig) -> bool:
+    return config.WhichOneof("scheduling_choice") is not None
+
+
+def _complete_instance_groups(config: mc.ModelConfig) -> None:
+    if not config.instance_group:
+        config.instance_group.add()
+    for i, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{i}"
+        if group.count == 0:
+            group.count = 1
+        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+            group.kind = mc.ModelInstanceGroup.KIND_GPU if group.gpus else mc.ModelInstanceGroup.KIND_CPU
+
+
+def validate_config(config: mc.ModelConfig, source: str) -> None:
+    """Reject configurations Triton rejects, with the file named."""
+    def fail(problem: str) -> PierError:
+        return invalid_arg(f"{source}: {problem}")
+
+    if config.max_batch_size < 0:
+        raise fail(f"max_batch_size must be >= 0, got {config.max_batch_size}")
+    if config.platform == "ensemble" or config.backend == "ensemble":
+        return
+    if not config.input:
+        raise fail("model configuration must specify at least one input")
+    if not config.output:
+        raise fail("model configuration must specify at least one output")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for t in tensors:
+            if not t.name:
+                raise fail(f"every {kind} needs a name")
+            if t.name in seen:
+                raise fail(f"{kind} '{t.name}' is declared more than once")
+            seen.add(t.name)
+            if t.data_type == mc.TYPE_INVALID:
+                raise fail(f"{kind} '{t.name}' must specify a data_type")
+            if not t.dims and config.max_batch_size == 0 and not t.HasField("reshape"):
+                raise fail(f"{kind} '{t.name}' must specify dims (use [ 1 ] for a scalar-like tensor)")
+            for d in t.dims:
+                if d < -1:
+                    raise fail(f"{kind} '{t.name}' has invalid dim {d}: dims must be >= 0 or -1")
+            if t.HasField("reshape"):
+                _check_reshape(t.name, list(t.dims), list(t.reshape.shape), fail)
+    for group in config.instance_group:
+        if group.count < 0:
+            raise fail(f"instance_group '{group.name}' count must be >= 1")
+    if config.HasField("dynamic_batching"):
+        for size in config.dynamic_batching.preferred_batch_size:
+            if size <= 0 or (config.max_batch_size > 0 and size > config.max_batch_size):
+                raise fail(
+                    f"dynamic batching preferred size {size} must be in 1..max_batch_size "
+                    f"({config.max_batch_size})"
+                )
+
+
+def _check_reshape(name: str, dims: list[int], shape: list[int], fail: Callable[[str], PierError]) -> None:
+    if -1 in dims or -1 in shape:
+        if dims.count(-1) != shape.count(-1):
+            raise fail(f"reshape of '{name}' must keep the same number of variable dims")
+        return
+    a, b = 1, 1
+    for d in dims:
+        a *= d
+    for d in shape:
+        b *= d
+    if a != b:
+        raise fail(f"reshape of '{name}' changes the element count ({dims} has {a}, {shape} has {b})")
+
+
+def build_spec(config: mc.ModelConfig) -> ModelSpec:
+    """Freeze a completed config into the spec the data plane and backends use."""
+    def tensor(t: Any) -> TensorSpec:
+        return TensorSpec(
+            name=t.name,
+            datatype=config_to_datatype(mc.DataType.Name(t.data_type)),
+            dims=tuple(t.dims),
+            reshape=tuple(t.reshape.shape) if t.HasField("reshape") else None,
+            optional=getattr(t, "optional", False),
+            allow_ragged_batch=getattr(t, "allow_ragged_batch", False),
+            is_shape_tensor=t.is_shape_tensor,
+        )
+
+    groups = tuple(
+        InstanceGroupSpec(
+            name=g.name,
+            kind=mc.ModelInstanceGroup.Kind.Name(g.kind),
+            count=g.count,
+            gpus=tuple(g.gpus),
+        )
+        for g in config.instance_group
+    )
+    return ModelSpec(
+        name=config.name,
+        platform=config.platform,
+        backend=config.backend,
+        max_batch_size=config.max_batch_size,
+        inputs=tuple(tensor(t) for t in config.input),
+        outputs=tuple(tensor(t) for t in config.output),
+        instance_groups=groups,
+        default_model_filename=config.default_model_filename,
+        parameters={k: v.string_value for k, v in config.parameters.items()},
+        decoupled=config.model_transaction_policy.decoupled,
+        config_json=config_to_json(config),
+    )
+
+
+def config_to_json(config: mc.ModelConfig) -> dict[str, Any]:
+    """ModelConfig as Triton's HTTP `/config` shows it: snake_case names, every scalar and list
+    printed even when default, enums as names, 64-bit integers as JSON numbers."""
+    raw = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return _int64_as_numbers(raw, config.DESCRIPTOR)
+
+
+_INT64_TYPES = {
+    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def _int64_as_numbers(value: Any, descriptor: Any) -> Any:
+    """Walk a MessageToDict result with its descriptor, turning quoted 64-bit ints into ints."""
+    if not isinstance(value, dict):
+        return value
+    for fd in descriptor.fields:
+        if fd.name not in value:
+            continue
+        v = value[fd.name]
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            vfd = fd.message_type.fields_by_name["value"]
+            value[fd.name] = {k: _convert(x, vfd) for k, x in v.items()}
+        elif fd.label == FieldDescriptor.LABEL_REPEATED:
+            value[fd.name] = [_convert(x, fd) for x in v]
+        else:
+            value[fd.name] = _convert(v, fd)
+    return value
+
+
+def _convert(v: Any, fd: Any) -> Any:
+    if fd.message_type is not None:
+        return _int64_as_numbers(v, fd.message_type)
+    if fd.type in _INT64_TYPES and isinstance(v, str):
+        return int(v)
+    return v

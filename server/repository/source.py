@@ -1,0 +1,42 @@
+"""What exists on disk: model folders across repositories and their numeric version folders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    path: Path  # <repository>/<model>
+    duplicate_of: Path | None = None  # set when the same name exists in two repositories
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.pbtxt"
+
+
+def scan(repositories: list[Path]) -> dict[str, ModelSource]:
+    """Every model folder in every repository. A name found twice is kept but marked, so the
+    manager can report it unavailable (as Triton does) instead of picking one silently."""
+    found: dict[str, ModelSource] = {}
+    for repo in repositories:
+        for entry in sorted(repo.iterdir()):
+            if not entry.is_dir() or entry.name.startswith("."):
+                continue
+            if entry.name in found:
+                found[entry.name] = ModelSource(entry.name, found[entry.name].path, duplicate_of=entry)
+            else:
+                found[entry.name] = ModelSource(entry.name, entry)
+    return found
+
+
+def version_dirs(model_path: Path) -> dict[int, Path]:
+    """Numeric version folders. Names that are not integers, or that start with '0', are
+    ignored as Triton ignores them."""
+    out: dict[int, Path] = {}
+    for entry in model_path.iterdir():
+        if entry.is_dir() and entry.name.isdigit() and not entry.name.startswith("0"):
+            out[int(entry.name)] = entry
+    return out

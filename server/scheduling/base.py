@@ -1,0 +1,63 @@
+"""The scheduler interface every scheduler implements: enqueue, inflight_count, stop."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from backends.base import ExecuteResult, ModelInstance
+from server.errors import PierError, internal
+from server.types import InferenceRequest
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """A validated request waiting to run. `batch_size` is its dim-0 size (1 if unbatched)."""
+
+    request: InferenceRequest
+    batch_size: int
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+
+
+@dataclass(slots=True)
+class ExecutionTiming:
+    start_ns: int
+    end_ns: int
+
+
+class Scheduler(abc.ABC):
+    @abc.abstractmethod
+    async def enqueue(self, item: WorkItem) -> ExecuteResult:
+        """Run `item` (when and with what is the scheduler's choice); return its result."""
+
+    @abc.abstractmethod
+    def inflight_count(self) -> int:
+        """Requests accepted and not yet answered."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Wait for in-flight work to finish, then release the instances."""
+
+
+def execute_timed(
+    instance: ModelInstance, requests: Sequence[InferenceRequest]
+) -> tuple[list[ExecuteResult], ExecutionTiming]:
+    """Run on a worker thread: execute and time it."""
+    start = time.perf_counter_ns()
+    try:
+        results = instance.execute(requests)
+    except PierError as exc:
+        results = [exc] * len(requests)
+    except Exception as exc:  # a backend bug fails its own requests, nothing else
+        results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
+    return results, ExecutionTiming(start, time.perf_counter_ns())
+
+
+async def run_on(executor: Executor, instance: ModelInstance,
+                 requests: Sequence[InferenceRequest]) -> tuple[list[ExecuteResult], ExecutionTiming]:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, execute_timed, instance, requests)

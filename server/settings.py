@@ -1,0 +1,30 @@
+"""Typed server settings, built once by the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_repositories: tuple[Path, ...]
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    http_address: str = "0.0.0.0"
+    grpc_address: str = "0.0.0.0"
+    metrics_address: str = "0.0.0.0"
+    allow_http: bool = True
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+    model_control_mode: str = "none"  # none | explicit | poll
+    load_models: tuple[str, ...] = field(default_factory=tuple)
+    auto_complete_config: bool = True
+    exit_on_error: bool = True
+    strict_readiness: bool = True
+    exit_timeout_secs: float = 30.0
+    log_verbose: int = 0
+    http_max_input_size: int = 1 << 26
+    grpc_max_message_size: int = (1 << 31) - 1
+    model_load_thread_count: int = 4

@@ -1,0 +1,136 @@
+"""The internal types that cross the edges: tensors, requests, responses, tensor specs.
+
+Frontends convert wire formats into these; the planes, schedulers and backends see nothing else.
+Tensor data is always a numpy array (object dtype of `bytes` for BYTES, uint16 bits for BF16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+ParamValue = Any  # bool | int | float | str
+
+
+@dataclass(slots=True)
+class Tensor:
+    """A named tensor. `shape` is the API shape (with the batch dim when the model batches)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: np.ndarray
+    parameters: dict[str, ParamValue] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    parameters: dict[str, ParamValue] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One client request. `model_version` is "" when the client named none."""
+
+    model_name: str
+    model_version: str
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] = field(default_factory=list)
+    id: str = ""
+    parameters: dict[str, ParamValue] = field(default_factory=dict)
+
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.outputs]
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    id: str = ""
+    parameters: dict[str, ParamValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One model input or output as the config declares it. `dims` excludes the batch dim;
+    -1 is a variable dim. `reshape` is what the framework sees, when it differs from `dims`."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+    allow_ragged_batch: bool = False
+    is_shape_tensor: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceGroupSpec:
+    name: str
+    kind: str  # KIND_CPU | KIND_GPU | KIND_MODEL | KIND_AUTO
+    count: int
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed, validated, completed model configuration: built once per load, never mutated."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    instance_groups: tuple[InstanceGroupSpec, ...]
+    default_model_filename: str
+    parameters: Mapping[str, str]
+    decoupled: bool = False
+    config_json: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_inputs_by_name", {t.name: t for t in self.inputs})
+        object.__setattr__(self, "_outputs_by_name", {t.name: t for t in self.outputs})
+
+    def input(self, name: str) -> TensorSpec | None:
+        return self._inputs_by_name.get(name)  # type: ignore[attr-defined]
+
+    def output(self, name: str) -> TensorSpec | None:
+        return self._outputs_by_name.get(name)  # type: ignore[attr-defined]
+
+    @property
+    def api_platform(self) -> str:
+        """What metadata reports as `platform`: the config platform, else the backend."""
+        return self.platform or self.backend
+
+    def api_shape(self, spec: TensorSpec) -> list[int]:
+        """Shape shown in metadata: a leading -1 when the model batches."""
+        return ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """Inputs and outputs a backend reads from a model file, for auto-complete. Shapes are the
+    framework's full shapes (including any batch dim), -1 where variable."""
+
+    inputs: tuple[tuple[str, str, tuple[int, ...]], ...]
+    outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def as_array(values: Any, datatype: str) -> np.ndarray:
+    """Helper for tests and backends: build the canonical numpy array for `datatype`."""
+    from server.datatypes import numpy_dtype, to_bytes_element
+
+    if datatype == "BYTES":
+        flat = np.asarray(values, dtype=np.object_)
+        out = np.empty(flat.shape, dtype=np.object_)
+        for idx, v in np.ndenumerate(flat):
+            out[idx] = to_bytes_element(v)
+        return out
+    return np.asarray(values, dtype=numpy_dtype(datatype))
