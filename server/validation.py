@@ -14,6 +14,19 @@ _BATCH_NOTE = (
 )
 
 
+# Keys a client may send although they carry the reserved prefix (Triton accepts these).
+_ALLOWED_TRITON_KEYS = frozenset({"triton_enable_empty_final_response"})
+
+
+def check_parameters(params: dict[str, object]) -> None:
+    """Request parameters: `triton_*` keys are reserved for the server, as in Triton."""
+    for key in params:
+        if key.startswith("triton_") and key not in _ALLOWED_TRITON_KEYS:
+            raise invalid_arg(
+                f"parameter '{key}' is reserved: keys starting with 'triton_' belong to the server"
+            )
+
+
 def _prefix(request: InferenceRequest) -> str:
     return f"[request id: {request.id or '<id_unknown>'}] "
 

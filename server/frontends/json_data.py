@@ -51,6 +51,9 @@ def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np
         raise invalid_arg(f"unable to parse 'data' of input '{name}': arrays must be regular (not ragged)") from None
     if raw.size != count:
         raise _count_error(name, count, raw.size, shape)
+    if dtype.kind in "iu" and raw.dtype.kind in "fO":
+        # numpy turns a mix of ints beyond int64 into float64 (lossy): rebuild from the ints.
+        return _big_ints(raw, data, dtype, datatype, shape, name)
     if raw.size and raw.dtype.kind not in _ACCEPT[dtype.kind]:
         raise invalid_arg(
             f"unable to parse 'data' of input '{name}': expected {datatype} values, got "
@@ -61,6 +64,17 @@ def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np
         if raw.min() < info.min or raw.max() > info.max:
             raise invalid_arg(f"a value of input '{name}' is out of range for {datatype}")
     return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _big_ints(raw: np.ndarray, data: Any, dtype: np.dtype, datatype: str, shape: list[int],
+              name: str) -> np.ndarray:
+    flat = np.array(data, dtype=np.object_).reshape(-1).tolist()
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+        raise invalid_arg(f"unable to parse 'data' of input '{name}': expected {datatype} values (integers)")
+    try:
+        return np.array(flat, dtype=dtype).reshape(shape)
+    except OverflowError:
+        raise invalid_arg(f"a value of input '{name}' is out of range for {datatype}") from None
 
 
 def _count_error(name: str, expected: int, got: int, shape: list[int]):

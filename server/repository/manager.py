@@ -198,7 +198,9 @@ class RepositoryManager:
     def all_ready(self) -> bool:
         """Every model has at least one version and each is READY (strict readiness)."""
         for record in self._models.values():
-            if record.error or not record.versions:
+            if not record.versions and not record.error:
+                continue  # never asked to load (explicit mode): not part of readiness
+            if record.error:
                 return False
             if any(vr.state is not ModelState.READY for vr in record.versions.values()):
                 return False
@@ -208,8 +210,8 @@ class RepositoryManager:
         rows = []
         for name in sorted(self._models):
             record = self._models[name]
-            if not record.versions:
-                rows.append((name, "-", f"UNAVAILABLE: {record.error}" if record.error else "UNAVAILABLE"))
+            if not record.versions and record.error:
+                rows.append((name, "-", f"UNAVAILABLE: {record.error}"))
             for v, vr in sorted(record.versions.items()):
                 rows.append((name, str(v), vr.state.value + (f": {vr.reason}" if vr.reason else "")))
         return rows

@@ -12,6 +12,7 @@ from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, 
 from server.errors import invalid_arg, unsupported
 from server.protocol import grpc_service_pb2 as pb
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from server.validation import check_parameters
 
 # datatype -> InferTensorContents field
 _CONTENTS = {
@@ -22,6 +23,13 @@ _CONTENTS = {
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents", "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
+}
+
+# The numpy dtype each typed contents field holds (before narrowing to the datatype).
+_FIELD_DTYPE = {
+    "bool_contents": np.bool_, "int_contents": np.int32, "int64_contents": np.int64,
+    "uint_contents": np.uint32, "uint64_contents": np.uint64, "fp32_contents": np.float32,
+    "fp64_contents": np.float64,
 }
 
 
@@ -81,9 +89,7 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
             raise unsupported("shared-memory outputs are not supported yet")
         outputs.append(RequestedOutput(o.name, params))
     params = params_dict(req.parameters)
-    for key in params:
-        if key.startswith("triton_"):
-            raise invalid_arg(f"parameter '{key}' is reserved (the 'triton_' prefix belongs to the server)")
+    check_parameters(params)
     return InferenceRequest(req.model_name, req.model_version, inputs, outputs, req.id, params)
 
 
@@ -103,7 +109,7 @@ def _from_contents(t: Any, datatype: str, shape: list[int]) -> np.ndarray:
         arr[:] = list(values)
         return arr.reshape(shape)
     dtype = numpy_dtype(datatype)
-    arr = np.asarray(values)
+    arr = np.asarray(values, dtype=_FIELD_DTYPE[field])
     if arr.size and dtype.kind in "iu":
         info = np.iinfo(dtype)
         if arr.min() < info.min or arr.max() > info.max:

@@ -11,6 +11,7 @@ from server.datatypes import JSON_UNSUPPORTED, from_raw, is_datatype, to_raw
 from server.errors import internal, invalid_arg, unsupported
 from server.frontends.json_data import array_from_json, array_to_json
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from server.validation import check_parameters
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
@@ -87,14 +88,8 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
     if not isinstance(rid, str):
         raise invalid_arg("'id' must be a string")
     params = _dict(doc.get("parameters"), "parameters")
-    _check_reserved(params)
+    check_parameters(params)
     return InferenceRequest(model, version, inputs, outputs, rid, params)
-
-
-def _check_reserved(params: dict[str, Any]) -> None:
-    for key in params:
-        if key.startswith("triton_"):
-            raise invalid_arg(f"parameter '{key}' is reserved (the 'triton_' prefix belongs to the server)")
 
 
 def _decode_input(item: Any, index: int, blobs: memoryview, offset: int) -> tuple[Tensor, int]:

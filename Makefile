@@ -1,0 +1,41 @@
+# Two commands for a fresh machine:  make serve   |   make test
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PA_DIR ?= $(HOME)/opt/perf-analyzer
+PA_INSTALL := ../shared/tools/perf-analyzer/install.sh
+
+.PHONY: serve test lint unit perf-analyzer models protos clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+serve: $(VENV)/.installed  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
+	$(VENV)/bin/pier serve --model-repository model_repository
+
+test: $(VENV)/.installed perf-analyzer lint  ## lint, then every test (unit + e2e against real servers)
+	PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+unit: $(VENV)/.installed
+	$(PY) -m pytest -q tests/server tests/backends
+
+# NVIDIA perf_analyzer for the e2e check and the benchmarks (skipped when the installer is absent).
+perf-analyzer:
+	@if [ -x $(PA_DIR)/perf_analyzer ]; then :; \
+	elif [ -f $(PA_INSTALL) ]; then bash $(PA_INSTALL) $(PA_DIR) >/dev/null || echo "perf_analyzer install failed: its test will skip"; \
+	else echo "no $(PA_INSTALL): the perf_analyzer test will skip"; fi
+
+models: $(VENV)/.installed  ## rebuild the example ONNX models (byte-identical)
+	$(PY) scripts/build_example_models.py
+
+protos: $(VENV)/.installed  ## regenerate server/protocol from protos/
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

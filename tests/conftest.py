@@ -1,0 +1,124 @@
+"""Shared fixtures: build model repositories and run the real `pier serve` process on free
+loopback ports (tests talk to it with tritonclient, grpc and plain HTTP)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from scripts.build_example_models import identity_model, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_REPO = ROOT / "model_repository"
+
+# KServe datatype -> (config type, ONNX identity model available)
+ROUND_TRIP_TYPES = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
+                    "FP16", "FP32", "FP64", "BYTES"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PierProcess:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def base(self) -> str:
+        return f"http://{self.http_url}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool = True,
+               timeout: float = 60) -> PierProcess:
+    http, grpc_, metrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "server", "serve",
+           *[f"--model-repository={r}" for r in repos],
+           f"--http-port={http}", f"--grpc-port={grpc_}", f"--metrics-port={metrics}",
+           "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", *extra]
+    log = open(log_path, "wb")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    server = PierProcess(proc, http, grpc_, metrics, log_path)
+    if not wait_ready:
+        return server
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pier exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if requests.get(f"{server.base()}/v2/health/ready", timeout=1).status_code == 200:
+                return server
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"pier not ready after {timeout}s:\n{server.log()}")
+
+
+def build_test_repository(root: Path) -> Path:
+    """The example models plus an identity model per datatype (`roundtrip_<type>`, [-1,-1])."""
+    repo = root / "repo"
+    shutil.copytree(EXAMPLE_REPO, repo)
+    for dt in ROUND_TRIP_TYPES:
+        name = f"roundtrip_{dt.lower()}"
+        config_type = "TYPE_STRING" if dt == "BYTES" else f"TYPE_{dt}"
+        config = (
+            f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+            f'input [ {{ name: "INPUT0" data_type: {config_type} dims: [ -1 ] }} ]\n'
+            f'output [ {{ name: "OUTPUT0" data_type: {config_type} dims: [ -1 ] }} ]\n'
+        )
+        write_model(repo, name, config, identity_model(dt, [-1, -1]))
+    return repo
+
+
+@pytest.fixture(scope="session")
+def test_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_test_repository(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def pier(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PierProcess]:
+    """One server for the read-mostly e2e tests; it must exit 0 on SIGTERM at the end."""
+    log_path = tmp_path_factory.mktemp("logs") / "pier.log"
+    server = start_pier([test_repo], log_path=log_path)
+    yield server
+    code = server.stop()
+    assert code == 0, f"pier exited with {code} on SIGTERM:\n{server.log()}"

@@ -1,0 +1,173 @@
+"""Bad input gets a clear 4xx / gRPC status naming the problem, and the server keeps serving.
+
+One table for HTTP (raw bodies via `requests`) and one for gRPC (raw ModelInferRequest through
+the stub), run against a server with small body limits so the oversize cases are cheap."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from server.protocol import grpc_service_pb2 as pb
+from server.protocol import grpc_service_pb2_grpc as pb_grpc
+from tests.conftest import start_pier
+
+LIMIT = 1 << 20  # 1 MiB
+
+
+@pytest.fixture(scope="module")
+def small_pier(test_repo, tmp_path_factory):
+    server = start_pier([test_repo], f"--http-max-input-size={LIMIT}", f"--grpc-max-message-size={LIMIT}",
+                        log_path=tmp_path_factory.mktemp("bad") / "pier.log")
+    yield server
+    assert server.stop() == 0
+
+
+def _inp(name="INPUT0", shape=(1, 16), datatype="INT32", data=None):
+    n = int(np.prod(shape))
+    return {"name": name, "shape": list(shape), "datatype": datatype,
+            "data": list(range(n)) if data is None else data}
+
+
+def _body(*inputs):
+    return json.dumps({"inputs": list(inputs)}).encode()
+
+
+GOOD = _body(_inp("INPUT0"), _inp("INPUT1"))
+BINARY_HEADER = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}},
+    {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}},
+]}).encode()
+
+# (case, method, path, body, headers, status, message fragment)
+HTTP_CASES = [
+    ("malformed JSON", "POST", "/v2/models/simple/infer", b"garbage{", {}, 400, "failed to parse the request JSON"),
+    ("JSON not an object", "POST", "/v2/models/simple/infer", b"[1,2]", {}, 400, "must be an object"),
+    ("no inputs", "POST", "/v2/models/simple/infer", b'{"inputs": []}', {}, 400, "non-empty 'inputs'"),
+    ("deeply nested JSON", "POST", "/v2/models/simple/infer", b"[" * 100000 + b"]" * 100000, {}, 400,
+     "failed to parse"),
+    ("truncated binary body", "POST", "/v2/models/simple/infer", BINARY_HEADER + b"\0" * 70,
+     {"Inference-Header-Content-Length": str(len(BINARY_HEADER))}, 400, "claims 64 bytes"),
+    ("header length out of range", "POST", "/v2/models/simple/infer", GOOD,
+     {"Inference-Header-Content-Length": str(len(GOOD) + 5)}, 400, "out of range"),
+    ("wrong datatype", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", datatype="FP32"), _inp("INPUT1")), {}, 400, "data-type is 'FP32'"),
+    ("unknown datatype", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", datatype="INT33"), _inp("INPUT1")), {}, 400, "invalid datatype"),
+    ("wrong shape", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", shape=(1, 15)), _inp("INPUT1")), {}, 400, "unexpected shape for input 'INPUT0'"),
+    ("wrong element count", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", data=list(range(15))), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+    ("string data for INT32", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", data=["a"] * 16), _inp("INPUT1")), {}, 400, "expected INT32 values"),
+    ("value out of range", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", data=[2**40] * 16), _inp("INPUT1")), {}, 400, "out of range for INT32"),
+    ("negative dim", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", shape=(-1, 16), data=[]), _inp("INPUT1")), {}, 400, "negative dimension"),
+    ("absurd shape", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", shape=(1, 10**15), data=[1]), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+    ("FP16 as JSON", "POST", "/v2/models/roundtrip_fp16/infer",
+     _body(_inp("INPUT0", shape=(1, 2), datatype="FP16", data=[1.0, 2.0])), {}, 400, "binary data format"),
+    ("missing input", "POST", "/v2/models/simple/infer", _body(_inp("INPUT0")), {}, 400,
+     "missing required input(s) ['INPUT1']"),
+    ("unknown input", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0"), _inp("INPUT1"), _inp("BAD")), {}, 400, "unexpected inference input 'BAD'"),
+    ("unknown output", "POST", "/v2/models/simple/infer",
+     json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "outputs": [{"name": "NOPE"}]}).encode(), {}, 400,
+     "unexpected inference output 'NOPE'"),
+    ("reserved parameter", "POST", "/v2/models/simple/infer",
+     json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "parameters": {"triton_x": 1}}).encode(), {}, 400,
+     "reserved"),
+    ("unknown model", "POST", "/v2/models/nope/infer", GOOD, {}, 404, "Request for unknown model: 'nope' is not found"),
+    ("unknown version", "POST", "/v2/models/simple/versions/7/infer", GOOD, {}, 404,
+     "Request for unknown model: 'simple' version 7 is not found"),
+    ("unknown model metadata", "GET", "/v2/models/nope", None, {}, 404, "Request for unknown model"),
+    ("unknown model config", "GET", "/v2/models/nope/config", None, {}, 404, "Request for unknown model"),
+    ("oversized body", "POST", "/v2/models/simple/infer", b" " * (LIMIT + 1), {}, 413, "too large"),
+    ("wrong verb", "GET", "/v2/models/simple/infer", None, {}, 405, "Method Not Allowed"),
+    ("unknown path", "GET", "/v2/nothing/here", None, {}, 404, "Not Found"),
+]
+
+
+def _assert_simple_still_works(server) -> None:
+    r = requests.post(f"{server.base()}/v2/models/simple/infer", data=GOOD, timeout=10)
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert out["OUTPUT0"] == [2 * i for i in range(16)] and out["OUTPUT1"] == [0] * 16
+
+
+@pytest.mark.parametrize("case,method,path,body,headers,status,fragment", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input(small_pier, case, method, path, body, headers, status, fragment):
+    r = requests.request(method, f"{small_pier.base()}{path}", data=body, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    assert fragment in r.json()["error"], r.json()["error"]
+    _assert_simple_still_works(small_pier)
+
+
+def _req(model="simple", version="", inputs=(("INPUT0", "INT32", (1, 16)), ("INPUT1", "INT32", (1, 16))),
+         raw=None, outputs=()):
+    req = pb.ModelInferRequest(model_name=model, model_version=version)
+    for name, dt, shape in inputs:
+        req.inputs.add(name=name, datatype=dt, shape=list(shape))
+    if raw is None:
+        raw = [np.arange(int(np.prod(s)), dtype=np.int32).tobytes() for _, _, s in inputs]
+    req.raw_input_contents.extend(raw)
+    for name in outputs:
+        req.outputs.add(name=name)
+    return req
+
+
+def _typed_short():
+    req = pb.ModelInferRequest(model_name="simple")
+    for name in ("INPUT0", "INPUT1"):
+        t = req.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        t.contents.int_contents.extend(range(15))
+    return req
+
+
+GRPC_CASES = [
+    ("raw count mismatch", _req(raw=[b"\0" * 64]), grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents has 1"),
+    ("truncated raw input", _req(raw=[b"\0" * 64, b"\0" * 10]), grpc.StatusCode.INVALID_ARGUMENT,
+     "unexpected size 10 for input 'INPUT1'"),
+    ("wrong datatype", _req(inputs=(("INPUT0", "FP32", (1, 16)), ("INPUT1", "INT32", (1, 16)))),
+     grpc.StatusCode.INVALID_ARGUMENT, "data-type is 'FP32'"),
+    ("wrong shape", _req(inputs=(("INPUT0", "INT32", (1, 15)), ("INPUT1", "INT32", (1, 16)))),
+     grpc.StatusCode.INVALID_ARGUMENT, "unexpected shape for input 'INPUT0'"),
+    ("wrong element count", _typed_short(), grpc.StatusCode.INVALID_ARGUMENT, "unexpected number of elements"),
+    ("absurd shape", _req(inputs=(("INPUT0", "INT32", (1, 10**15)), ("INPUT1", "INT32", (1, 16))),
+                          raw=[b"\0" * 64, b"\0" * 64]),
+     grpc.StatusCode.INVALID_ARGUMENT, "unexpected size"),
+    ("missing input", _req(inputs=(("INPUT0", "INT32", (1, 16)),)), grpc.StatusCode.INVALID_ARGUMENT,
+     "missing required input(s) ['INPUT1']"),
+    ("unknown input", _req(inputs=(("INPUT0", "INT32", (1, 16)), ("INPUT1", "INT32", (1, 16)),
+                                   ("BAD", "INT32", (1, 16)))),
+     grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference input 'BAD'"),
+    ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
+    ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
+    ("unknown version", _req(version="7"), grpc.StatusCode.NOT_FOUND, "version 7 is not found"),
+    ("oversized message", _req(raw=[b"\0" * (LIMIT + 10), b"\0" * 64]), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "larger than max"),
+]
+
+
+@pytest.mark.parametrize("case,request_msg,code,fragment", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_bad_input(small_pier, case, request_msg, code, fragment):
+    options = [("grpc.max_send_message_length", 1 << 28)]
+    with grpc.insecure_channel(small_pier.grpc_url, options=options) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request_msg, timeout=30)
+    assert err.value.code() == code, err.value.details()
+    assert fragment in err.value.details(), err.value.details()
+    client = grpcclient.InferenceServerClient(small_pier.grpc_url)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    result = client.infer("simple", inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)

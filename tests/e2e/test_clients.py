@@ -1,0 +1,178 @@
+"""tritonclient HTTP (binary on and off) and gRPC against a real `pier serve`: inference on
+`simple`, batch limits, health and metadata calls with the fields the clients read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+
+def _simple_inputs(module, batch: int, binary: bool | None = None):
+    a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)
+    b = np.full((batch, 16), 3, dtype=np.int32)
+    inputs = [module.InferInput("INPUT0", [batch, 16], "INT32"), module.InferInput("INPUT1", [batch, 16], "INT32")]
+    for t, v in zip(inputs, (a, b)):
+        if binary is None:
+            t.set_data_from_numpy(v)
+        else:
+            t.set_data_from_numpy(v, binary_data=binary)
+    return inputs, a, b
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("binary", [True, False])
+def test_http_simple(pier, batch, binary):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inputs, a, b = _simple_inputs(httpclient, batch, binary)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
+               httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
+    result = client.infer("simple", inputs, outputs=outputs, request_id="r1")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    response = result.get_response()
+    assert response["id"] == "r1"
+    assert response["model_name"] == "simple" and response["model_version"] == "1"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_grpc_simple(pier, batch):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    inputs, a, b = _simple_inputs(grpcclient, batch)
+    result = client.infer("simple", inputs, request_id="g1")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    assert result.get_response().id == "g1"
+
+
+def test_requested_output_subset(pier):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inputs, a, b = _simple_inputs(httpclient, 2)
+    result = client.infer("simple", inputs, outputs=[httpclient.InferRequestedOutput("OUTPUT1")])
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["OUTPUT1"]
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    gclient = grpcclient.InferenceServerClient(pier.grpc_url)
+    ginputs, a, b = _simple_inputs(grpcclient, 2)
+    gresult = gclient.infer("simple", ginputs, outputs=[grpcclient.InferRequestedOutput("OUTPUT0")])
+    assert [o.name for o in gresult.get_response().outputs] == ["OUTPUT0"]
+    np.testing.assert_array_equal(gresult.as_numpy("OUTPUT0"), a + b)
+
+
+def test_explicit_version(pier):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inputs, a, b = _simple_inputs(httpclient, 1)
+    result = client.infer("simple", inputs, model_version="1")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+
+
+def test_batch_over_max_is_rejected(pier):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inputs, _, _ = _simple_inputs(httpclient, 9)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("simple", inputs)
+    assert err.value.status() == "400"
+    assert "batch-size must be <= 8" in err.value.message()
+    gclient = grpcclient.InferenceServerClient(pier.grpc_url)
+    ginputs, _, _ = _simple_inputs(grpcclient, 9)
+    with pytest.raises(InferenceServerException) as gerr:
+        gclient.infer("simple", ginputs)
+    assert gerr.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "batch-size must be <= 8" in gerr.value.message()
+
+
+def test_health_and_metadata_http(pier):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("simple") and client.is_model_ready("simple", "1")
+    assert not client.is_model_ready("nope")
+    assert not client.is_model_ready("simple", "7")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "pier" and meta["version"]
+    assert "binary_tensor_data" in meta["extensions"] and "model_configuration" in meta["extensions"]
+    mm = client.get_model_metadata("simple")
+    assert mm["name"] == "simple" and mm["versions"] == ["1"] and mm["platform"] == "onnxruntime_onnx"
+    assert mm["inputs"] == [{"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]},
+                            {"name": "INPUT1", "datatype": "INT32", "shape": [-1, 16]}]
+    assert [o["name"] for o in mm["outputs"]] == ["OUTPUT0", "OUTPUT1"]
+    config = client.get_model_config("simple")
+    assert config["name"] == "simple" and config["max_batch_size"] == 8
+    assert config["input"][0]["dims"] == [16] and config["input"][0]["data_type"] == "TYPE_INT32"
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    identity = client.get_model_config("identity_fp32")
+    assert identity["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert identity["dynamic_batching"]["preferred_batch_size"] == [64]
+
+
+def test_health_and_metadata_grpc(pier):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("simple")
+    meta = client.get_server_metadata()
+    assert meta.name == "pier" and "binary_tensor_data" in meta.extensions
+    mm = client.get_model_metadata("simple")
+    assert mm.name == "simple" and list(mm.versions) == ["1"] and mm.platform == "onnxruntime_onnx"
+    assert [(i.name, i.datatype, list(i.shape)) for i in mm.inputs] == [
+        ("INPUT0", "INT32", [-1, 16]), ("INPUT1", "INT32", [-1, 16])]
+    config = client.get_model_config("simple").config
+    assert config.name == "simple" and config.max_batch_size == 8
+    assert list(config.input[0].dims) == [16]
+    as_json = client.get_model_config("identity_fp32", as_json=True)["config"]
+    assert as_json["max_batch_size"] == 64
+    with pytest.raises(InferenceServerException) as err:
+        client.get_model_metadata("nope")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert "Request for unknown model: 'nope' is not found" in err.value.message()
+
+
+def test_statistics_both_protocols(pier):
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inputs, _, _ = _simple_inputs(httpclient, 2)
+    before = client.get_inference_statistics("simple")["model_stats"][0]
+    client.infer("simple", inputs)
+    after = client.get_inference_statistics("simple")["model_stats"][0]
+    assert after["inference_count"] == before["inference_count"] + 2
+    assert after["execution_count"] == before["execution_count"] + 1
+    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
+    gstats = grpcclient.InferenceServerClient(pier.grpc_url).get_inference_statistics("simple")
+    assert gstats.model_stats[0].name == "simple"
+    assert gstats.model_stats[0].inference_count >= after["inference_count"]
+    everything = client.get_inference_statistics()
+    assert {"simple", "identity_fp32"} <= {m["name"] for m in everything["model_stats"]}
+
+
+def test_grpc_stream_infer(pier):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    try:
+        for i in range(3):
+            inputs, _, _ = _simple_inputs(grpcclient, 1)
+            client.async_stream_infer("simple", inputs, request_id=f"s{i}")
+        client.async_stream_infer("nope", _simple_inputs(grpcclient, 1)[0], request_id="bad")
+    finally:
+        client.stop_stream()
+    assert len(results) == 4
+    ok = {r.get_response().id for r, e in results if e is None}
+    assert ok == {"s0", "s1", "s2"}
+    errors = [e for r, e in results if e is not None]
+    assert len(errors) == 1 and "unknown model" in errors[0].message()
+
+
+def test_grpc_health_service(pier):
+    import grpc
+
+    from server.protocol import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(pier.grpc_url) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unimplemented_rpcs_say_so(pier):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    with pytest.raises(InferenceServerException) as err:
+        client.get_system_shared_memory_status()
+    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "not implemented" in err.value.message()
