@@ -77,17 +77,27 @@ class HttpHandlers:
 
     async def infer(self, request: web.Request) -> web.Response:
         body = await request.read()
+        model, version = request.match_info["model"], _version(request)
         json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
-        infer_request = codec.decode_request(request.match_info["model"], _version(request), body, json_length)
+        if json_length == 0:
+            metadata = self.plane.model_metadata(model, version)
+            batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
+            infer_request = codec.decode_raw_request(model, version, metadata, batching, body)
+        else:
+            infer_request = codec.decode_request(model, version, body, json_length)
         response = await self.plane.infer(infer_request)
         payload, header_len = codec.encode_response(response, infer_request)
         if header_len is None:
-            return web.Response(body=payload, content_type="application/json")
-        return web.Response(
-            body=payload,
-            content_type="application/octet-stream",
-            headers={codec.HEADER_LENGTH: str(header_len)},
-        )
+            reply = web.Response(body=payload, content_type="application/json")
+        else:
+            reply = web.Response(
+                body=payload,
+                content_type="application/octet-stream",
+                headers={codec.HEADER_LENGTH: str(header_len)},
+            )
+        if "Accept-Encoding" in request.headers:
+            reply.enable_compression()  # gzip or deflate, as the client accepts
+        return reply
 
 
 @web.middleware

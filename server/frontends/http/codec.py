@@ -3,11 +3,12 @@ tensor data extension (JSON header + raw blobs, `Inference-Header-Content-Length
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
 
-from server.datatypes import JSON_UNSUPPORTED, from_raw, is_datatype, to_raw
+from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
 from server.errors import internal, invalid_arg, unsupported
 from server.frontends.json_data import array_from_json, array_to_json
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
@@ -52,8 +53,7 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
     if json_length is None:
         header, blobs = view, view[len(view):]
     elif json_length == 0:
-        raise unsupported("raw binary requests (Inference-Header-Content-Length: 0) are not supported; "
-                          "send a JSON header with binary_data_size")
+        raise invalid_arg("a raw binary request needs the model's input: use decode_raw_request")
     else:
         header, blobs = view[:json_length], view[json_length:]
     doc = parse_json(header)
@@ -90,6 +90,35 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
     params = _dict(doc.get("parameters"), "parameters")
     check_parameters(params)
     return InferenceRequest(model, version, inputs, outputs, rid, params)
+
+
+def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batching: bool,
+                       body: bytes) -> InferenceRequest:
+    """Triton's raw binary request (Inference-Header-Content-Length: 0): the body is the one
+    input's bytes, batch 1, and every output comes back binary."""
+    inputs = metadata["inputs"]
+    if len(inputs) != 1:
+        raise invalid_arg(
+            f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; "
+            f"'{model}' has {len(inputs)}"
+        )
+    spec = inputs[0]
+    name, datatype = spec["name"], spec["datatype"]
+    shape = list(spec["shape"])
+    if batching:
+        shape[0] = 1
+    variable = [i for i, d in enumerate(shape) if d == -1]
+    if variable:
+        size = element_size(datatype)
+        known = math.prod(d for d in shape if d != -1)
+        if datatype == "BYTES" or len(variable) > 1 or size is None or known == 0 or len(body) % (known * size):
+            raise invalid_arg(
+                f"cannot infer the shape {shape} of input '{name}' from a raw binary body of {len(body)} bytes"
+            )
+        shape[variable[0]] = len(body) // (known * size)
+    data = from_raw(memoryview(body), datatype, shape, name)
+    return InferenceRequest(model, version, [Tensor(name, datatype, shape, data)], [], "",
+                            {"binary_data_output": True})
 
 
 def _decode_input(item: Any, index: int, blobs: memoryview, offset: int) -> tuple[Tensor, int]:

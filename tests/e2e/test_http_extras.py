@@ -1,0 +1,95 @@
+"""HTTP details clients rely on: raw binary requests, compressed bodies, mixed binary/JSON
+outputs, BYTES binary layout, empty-body health answers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+import zlib
+
+import numpy as np
+import requests
+
+from server.datatypes import serialize_bytes
+
+
+def test_raw_binary_request(pier):
+    """Inference-Header-Content-Length: 0 -> the body is the single input, batch 1, outputs binary."""
+    x = np.arange(5, dtype=np.float32)
+    r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", data=x.tobytes(),
+                      headers={"Inference-Header-Content-Length": "0"}, timeout=10)
+    assert r.status_code == 200, r.text
+    n = int(r.headers["Inference-Header-Content-Length"])
+    header = json.loads(r.content[:n])
+    assert header["outputs"][0]["shape"] == [1, 5]
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == 20
+    np.testing.assert_array_equal(np.frombuffer(r.content[n:], dtype=np.float32), x)
+
+
+def test_raw_binary_request_needs_a_single_input_model(pier):
+    r = requests.post(f"{pier.base()}/v2/models/simple/infer", data=b"\0" * 64,
+                      headers={"Inference-Header-Content-Length": "0"}, timeout=10)
+    assert r.status_code == 400 and "exactly one input" in r.json()["error"]
+
+
+def test_gzip_and_deflate_request_bodies(pier):
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]})
+    for encoding, packed in (("gzip", gzip.compress(body.encode())), ("deflate", zlib.compress(body.encode()))):
+        r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", data=packed,
+                          headers={"Content-Encoding": encoding}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == [1.0, 2.0, 3.0]
+
+
+def test_compressed_response_when_accepted(pier):
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 400], "datatype": "FP32", "data": [0.0] * 400}]}
+    r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", json=body,
+                      headers={"Accept-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 200
+    assert r.headers.get("Content-Encoding") == "gzip"
+    assert r.json()["outputs"][0]["shape"] == [1, 400]  # requests decompresses transparently
+
+
+def test_mixed_binary_and_json_outputs_and_bytes_layout(pier):
+    strings = [b"ab", b"", "é".encode()]
+    blob = serialize_bytes(np.array(strings, dtype=np.object_))
+    assert blob == b"".join(struct.pack("<I", len(s)) + s for s in strings)
+    header = json.dumps({
+        "id": "mixed",
+        "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(blob)}}],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        "parameters": {"custom_key": "passes through"},
+    }).encode()
+    r = requests.post(f"{pier.base()}/v2/models/roundtrip_bytes/infer", data=header + blob,
+                      headers={"Inference-Header-Content-Length": str(len(header))}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    n = int(r.headers["Inference-Header-Content-Length"])
+    doc = json.loads(r.content[:n])
+    assert doc["id"] == "mixed"
+    assert doc["outputs"][0]["parameters"]["binary_data_size"] == len(blob)
+    assert r.content[n:] == blob
+    # the same output as JSON
+    r2 = requests.post(f"{pier.base()}/v2/models/roundtrip_bytes/infer", json={
+        "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "BYTES", "data": ["ab", "", "é"]}]}, timeout=10)
+    assert r2.headers["Content-Type"].startswith("application/json")
+    assert r2.json()["outputs"][0]["data"] == ["ab", "", "é"]
+    assert "id" not in r2.json()  # omitted when the request had none
+
+
+def test_binary_data_output_request_parameter(pier):
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1.5, 2.5]}],
+            "parameters": {"binary_data_output": True}}
+    r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", json=body, timeout=10)
+    n = int(r.headers["Inference-Header-Content-Length"])
+    assert np.frombuffer(r.content[n:], dtype=np.float32).tolist() == [1.5, 2.5]
+
+
+def test_health_bodies_are_empty_and_model_ready_codes(pier):
+    paths = ("/v2/health/live", "/v2/health/ready", "/v2/models/simple/ready", "/v2/models/simple/versions/1/ready")
+    for path in paths:
+        r = requests.get(pier.base() + path, timeout=5)
+        assert r.status_code == 200 and r.content == b"", path
+    assert requests.get(pier.base() + "/v2/models/nope/ready", timeout=5).status_code == 400
