@@ -288,7 +288,7 @@ def _int64_as_numbers(value: Any, descriptor: Any) -> Any:
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             vfd = fd.message_type.fields_by_name["value"]
             value[fd.name] = {k: _convert(x, vfd) for k, x in v.items()}
-        elif fd.label == FieldDescriptor.LABEL_REPEATED:
+        elif fd.is_repeated:
             value[fd.name] = [_convert(x, fd) for x in v]
         else:
             value[fd.name] = _convert(v, fd)

@@ -1,0 +1,145 @@
+"""config.pbtxt parsing, completion and validation; version policies; request validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.errors import ErrorCode, PierError
+from server.protocol import model_config_pb2 as mc
+from server.repository import model_config
+from server.repository.version_policy import select_versions
+from server.types import InferenceRequest, RequestedOutput, Tensor
+from server.validation import check_parameters, validate_request
+
+GOOD = """
+name: "m"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 100 }
+instance_group [ { count: 2 kind: KIND_CPU }, { kind: KIND_AUTO } ]
+"""
+
+
+def _no_describe(entry, path):
+    return None
+
+
+def complete(text: str, name: str = "m", auto: bool = True) -> mc.ModelConfig:
+    raw = model_config.parse_config_text(text, "/repo/m/config.pbtxt")
+    return model_config.complete_config(raw, name, [], "/repo/m/config.pbtxt", auto, _no_describe)
+
+
+def test_syntax_error_names_file_line_and_column():
+    with pytest.raises(PierError) as err:
+        model_config.parse_config_text('name: "m"\nmax_batch_size: 8\ninput [ { nme: "x" } ]\n', "/r/m/config.pbtxt")
+    assert err.value.code is ErrorCode.INVALID_ARG
+    assert "/r/m/config.pbtxt:3:" in err.value.message and "nme" in err.value.message
+
+
+def test_completion_fills_what_triton_fills():
+    c = complete(GOOD)
+    assert c.backend == "onnxruntime" and c.default_model_filename == "model.onnx"
+    assert c.version_policy.latest.num_versions == 1
+    assert [g.name for g in c.instance_group] == ["m_0", "m_1"]
+    assert c.instance_group[1].kind == mc.ModelInstanceGroup.KIND_CPU and c.instance_group[1].count == 1
+    assert list(c.dynamic_batching.preferred_batch_size) == [8]
+    j = model_config.config_to_json(c)
+    assert j["input"][0]["dims"] == [-1, 4]  # int64 as JSON numbers, not strings
+    assert j["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+    assert j["input"][0]["data_type"] == "TYPE_FP32" and j["input"][0]["optional"] is False
+    spec = model_config.build_spec(c)
+    assert spec.api_shape(spec.inputs[0]) == [-1, -1, 4] and spec.input("IN").datatype == "FP32"
+
+
+@pytest.mark.parametrize("text,fragment", [
+    (GOOD.replace('name: "m"', 'name: "other"'), "does not match the name of its folder 'm'"),
+    (GOOD.replace("data_type: TYPE_FP32 dims: [ -1, 4 ] } ]\noutput", "dims: [ 4 ] } ]\noutput"),
+     "input 'IN' must specify a data_type"),
+    (GOOD.replace("dims: [ -1, 4 ] } ]\noutput", "dims: [ -2 ] } ]\noutput"), "invalid dim -2"),
+    (GOOD.replace('input [ { name: "IN"', 'input [ { name: "IN" data_type: TYPE_FP32 dims: [1] }, { name: "IN"'),
+     "declared more than once"),
+    (GOOD.replace("max_batch_size: 8", "max_batch_size: -1"), "max_batch_size must be >= 0"),
+    (GOOD.replace('platform: "onnxruntime_onnx"', 'platform: "nonsense_platform"'), "unknown platform"),
+    (GOOD.replace('platform: "onnxruntime_onnx"', 'backend: "pytorch"\nplatform: "onnxruntime_onnx"'),
+     "unable to find backend 'pytorch'"),
+    (GOOD.replace("max_queue_delay_microseconds: 100", "preferred_batch_size: [ 16 ]"), "preferred size 16"),
+    (GOOD.replace("dims: [ -1, 4 ] } ]\noutput", "dims: [ 4 ] reshape: { shape: [ 3 ] } } ]\noutput"),
+     "changes the element count"),
+])
+def test_invalid_configs_are_rejected_naming_the_file(text, fragment):
+    with pytest.raises(PierError) as err:
+        complete(text)
+    assert fragment in err.value.message
+    assert "/repo/m/config.pbtxt" in err.value.message
+
+
+def test_missing_backend_without_auto_complete():
+    text = 'max_batch_size: 1\ninput [ { name: "I" data_type: TYPE_FP32 dims: [1] } ]\n' \
+           'output [ { name: "O" data_type: TYPE_FP32 dims: [1] } ]'
+    with pytest.raises(PierError) as err:
+        complete(text, auto=False)
+    assert "names no 'platform' or 'backend'" in err.value.message
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("", [5]),
+    ("latest { num_versions: 2 }", [3, 5]),
+    ("all { }", [1, 2, 3, 5]),
+    ("specific { versions: [ 2, 4 ] }", [2]),
+])
+def test_version_policy(policy, expected):
+    p = mc.ModelVersionPolicy()
+    if policy:
+        from google.protobuf import text_format
+
+        text_format.Parse(policy, p)
+    assert select_versions(p, [1, 2, 3, 5]) == expected
+
+
+def _spec():
+    return model_config.build_spec(complete(GOOD))
+
+
+def _req(*tensors, outputs=()):
+    return InferenceRequest("m", "", list(tensors), [RequestedOutput(o) for o in outputs])
+
+
+def _t(shape, name="IN", datatype="FP32"):
+    return Tensor(name, datatype, list(shape), np.zeros(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("request_,fragment", [
+    (_req(_t((9, 2, 4))), "batch-size must be <= 8"),
+    (_req(_t((1, 2, 5))), "Expected [-1,-1,4], got [1,2,5]"),
+    (_req(_t((2, 4))), "unexpected shape for input 'IN'"),
+    (_req(_t((1, 2, 4), datatype="INT32")), "data-type is 'INT32', but model 'm' expects 'FP32'"),
+    (_req(_t((1, 2, 4)), _t((1, 2, 4), name="X")), "unexpected inference input 'X'"),
+    (_req(), "missing required input(s) ['IN']"),
+    (_req(_t((1, 2, 4)), outputs=("NOPE",)), "unexpected inference output 'NOPE'"),
+    (_req(_t((0, 2, 4))), "unexpected shape"),
+])
+def test_request_validation(request_, fragment):
+    with pytest.raises(PierError) as err:
+        validate_request(_spec(), request_)
+    assert fragment in err.value.message
+
+
+def test_valid_request_returns_batch_size():
+    assert validate_request(_spec(), _req(_t((3, 7, 4)))) == 3
+
+
+def test_reserved_parameters():
+    check_parameters({"custom": 1, "triton_enable_empty_final_response": True})
+    with pytest.raises(PierError):
+        check_parameters({"triton_anything": 1})
+
+
+def test_example_configs_parse():
+    root = Path(__file__).resolve().parents[2] / "model_repository"
+    for path in root.glob("*/config.pbtxt"):
+        assert model_config.parse_config_file(path).name == path.parent.name
