@@ -63,5 +63,5 @@ def build_loaded_model(spec: ModelSpec, config: Any, version: int,
                        instances: list[ModelInstance]) -> LoadedModel:
     """On the event loop: wrap instances in the scheduler the config asks for."""
     stats = ModelStatistics()
-    scheduler = DirectScheduler(instances, stats)
+    scheduler = DirectScheduler(instances, stats, f"{spec.name}-{version}")
     return LoadedModel(spec, config, version, scheduler, stats)

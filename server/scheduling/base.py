@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import abc
-import asyncio
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from backends.base import ExecuteResult, ModelInstance
@@ -55,9 +53,3 @@ def execute_timed(
     except Exception as exc:  # a backend bug fails its own requests, nothing else
         results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
     return results, ExecutionTiming(start, time.perf_counter_ns())
-
-
-async def run_on(executor: Executor, instance: ModelInstance,
-                 requests: Sequence[InferenceRequest]) -> tuple[list[ExecuteResult], ExecutionTiming]:
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, execute_timed, instance, requests)

@@ -3,61 +3,43 @@ for models without dynamic or sequence batching)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from backends.base import ExecuteResult, ModelInstance
 from server.errors import internal
-from server.scheduling.base import Scheduler, WorkItem, run_on
+from server.scheduling.base import Scheduler, WorkItem
+from server.scheduling.instance_pool import InstancePool, JobResult
 from server.statistics import ModelStatistics
 
 
 class DirectScheduler(Scheduler):
-    def __init__(self, instances: list[ModelInstance], stats: ModelStatistics) -> None:
-        self._instances = instances
-        self._idle: asyncio.Queue[ModelInstance] = asyncio.Queue()
-        for inst in instances:
-            self._idle.put_nowait(inst)
-        self._executor = ThreadPoolExecutor(max_workers=len(instances), thread_name_prefix="pier-exec")
+    def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str) -> None:
+        self._pool = InstancePool(instances, name)
         self._stats = stats
         self._inflight = 0
-        self._drained = asyncio.Event()
-        self._drained.set()
 
     async def enqueue(self, item: WorkItem) -> ExecuteResult:
         self._inflight += 1
-        self._drained.clear()
         try:
-            instance = await self._idle.get()
-            dequeued = time.perf_counter_ns()
-            try:
-                results, timing = await run_on(self._executor, instance, [item.request])
-            finally:
-                self._idle.put_nowait(instance)
-            done = time.perf_counter_ns()
-            if len(results) != 1:
-                return internal(f"backend returned {len(results)} results for 1 request")
-            input_ns = timing.start_ns - dequeued
-            infer_ns = timing.end_ns - timing.start_ns
-            output_ns = done - timing.end_ns
-            self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
-            result = results[0]
-            self._stats.record_request(
-                not isinstance(result, Exception), done - item.enqueued_ns,
-                dequeued - item.enqueued_ns, input_ns, infer_ns, output_ns,
-            )
-            return result
+            job: JobResult = await self._pool.submit([item.request])
         finally:
             self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
+        done = time.perf_counter_ns()
+        if len(job.results) != 1:
+            return internal(f"backend returned {len(job.results)} results for 1 request")
+        input_ns = job.start_ns - job.picked_ns
+        infer_ns = job.end_ns - job.start_ns
+        output_ns = done - job.end_ns
+        self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
+        result = job.results[0]
+        self._stats.record_request(
+            not isinstance(result, Exception), done - item.enqueued_ns,
+            job.picked_ns - item.enqueued_ns, input_ns, infer_ns, output_ns,
+        )
+        return result
 
     def inflight_count(self) -> int:
         return self._inflight
 
     async def stop(self) -> None:
-        await self._drained.wait()
-        for inst in self._instances:
-            inst.close()
-        self._executor.shutdown(wait=False)
+        await self._pool.stop()
