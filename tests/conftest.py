@@ -24,7 +24,7 @@ EXAMPLE_REPO = ROOT / "model_repository"
 
 # KServe datatype -> (config type, ONNX identity model available)
 ROUND_TRIP_TYPES = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
-                    "FP16", "FP32", "FP64", "BYTES"]
+                    "FP16", "FP32", "FP64", "BYTES", "BF16"]
 
 
 def free_port() -> int:

@@ -8,6 +8,8 @@ Config parameters: `intra_op_thread_count`, `inter_op_thread_count` (as Triton's
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -150,15 +152,20 @@ class OnnxInstance(ModelInstance):
             else:
                 feed[t.name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(_to_ort(t)))
         outs = self._session.run_with_ort_values(names, feed)
-        result = []
-        for name, ov in zip(names, outs):
-            if self._out_types[name] == "BF16":
-                raise internal("onnxruntime's Python API cannot return BF16 outputs")
-            result.append(ov.numpy())
-        return result
+        return [_bf16_bits(ov) if self._out_types[name] == "BF16" else ov.numpy() for name, ov in zip(names, outs)]
 
     def close(self) -> None:
         del self._session
+
+
+def _bf16_bits(value: ort.OrtValue) -> np.ndarray:
+    """Copy a BF16 OrtValue's 16-bit patterns (numpy has no bfloat16, so .numpy() refuses)."""
+    if value.device_name().lower() != "cpu":
+        raise internal("BF16 outputs on a GPU instance are not supported by onnxruntime's Python API")
+    shape = value.shape()
+    count = math.prod(shape)
+    buffer = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buffer).copy().reshape(shape)
 
 
 def _to_ort(tensor: Tensor) -> np.ndarray:
