@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from server import __version__
-from server.errors import PierError, invalid_arg, not_found, unavailable, unsupported
+from server.errors import PierError, invalid_arg, unavailable, unsupported
 from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
@@ -76,7 +76,7 @@ class DataPlane:
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         model = self._model(name, version)
         spec = model.spec
-        versions = [version] if version else [str(v) for v in self._manager.ready_versions(name)]
+        versions = [model.version_str] if version else [str(v) for v in self._manager.ready_versions(name)]
         return {
             "name": spec.name,
             "versions": versions,
@@ -92,16 +92,17 @@ class DataPlane:
         return self._model(name, version).config
 
     def statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
+        """Triton's statistics lookup: all loaded versions, one model's, or one version's."""
         if not name:
-            if version:
-                raise invalid_arg("a model version was given without a model name")
             models = self._manager.loaded_models()
-        elif version:
-            models = [self._manager.resolve(name, version)]
         else:
             models = [m for m in self._manager.loaded_models() if m.spec.name == name]
             if not models:
-                raise not_found(f"Request for unknown model: '{name}' is not found")
+                raise invalid_arg(f"requested model '{name}' is not available")
+            if version:
+                models = [m for m in models if version.isdigit() and m.version == int(version)]
+                if not models:
+                    raise invalid_arg(f"requested model version is not available for model '{name}'")
         models.sort(key=lambda m: (m.spec.name, m.version))
         return [m.stats.as_dict(m.spec.name, m.version_str) for m in models]
 

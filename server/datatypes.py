@@ -141,7 +141,8 @@ def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.n
     return out
 
 
-def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str,
+             model: str = "", request_id: str = "") -> np.ndarray:
     """Decode a raw tensor buffer, checking its size against datatype and shape."""
     count = element_count(shape)
     if datatype == "BYTES":
@@ -150,8 +151,8 @@ def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], na
     expected = count * dtype.itemsize
     if len(buffer) != expected:
         raise invalid_arg(
-            f"unexpected size {len(buffer)} for input '{name}', expecting {expected} bytes "
-            f"for {datatype} shape {list(shape)}"
+            f"[request id: {request_id or '<id_unknown>'}] input byte size mismatch for input '{name}' "
+            f"for model '{model}'. Expected {expected}, got {len(buffer)}"
         )
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)
 

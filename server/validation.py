@@ -4,7 +4,7 @@ Triton's wording, and map tensors between API shapes and framework shapes (`resh
 from __future__ import annotations
 
 from server.errors import invalid_arg
-from server.types import InferenceRequest, ModelSpec, Tensor, TensorSpec
+from server.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
 _BATCH_NOTE = (
     " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "
@@ -19,12 +19,39 @@ _ALLOWED_TRITON_KEYS = frozenset({"triton_enable_empty_final_response"})
 
 
 def check_parameters(params: dict[str, object]) -> None:
-    """Request parameters: `triton_*` keys are reserved for the server, as in Triton."""
-    for key in params:
+    """Request parameters: values are bool/int/float/str; `triton_*` keys are reserved for the
+    server; the keys Triton interprets must have the type it expects."""
+    for key, value in params.items():
         if key.startswith("triton_") and key not in _ALLOWED_TRITON_KEYS:
             raise invalid_arg(
-                f"parameter '{key}' is reserved: keys starting with 'triton_' belong to the server"
+                "parameter keys starting with 'triton_' are reserved for Triton usage and should not be "
+                f"specified. Only the following keys starting with 'triton_' are allowed: "
+                f"{', '.join(sorted(_ALLOWED_TRITON_KEYS))}"
             )
+        if not isinstance(value, (bool, int, float, str)):
+            raise invalid_arg(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        expected = _TYPED_KEYS.get(key)
+        if expected is not None and not expected[0](value):
+            raise invalid_arg(f"invalid value type for '{key}' parameter, expected {expected[1]}.")
+
+
+def _uint(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+_TYPED_KEYS = {
+    "priority": (_uint, "int64_param or uint64_param"),
+    "timeout": (_uint, "int64_param or uint64_param"),
+    "sequence_id": (lambda v: _uint(v) or isinstance(v, str), "int64_param, uint64_param or string_param"),
+    "sequence_start": (_is_bool, "bool_param"),
+    "sequence_end": (_is_bool, "bool_param"),
+    "binary_data_output": (_is_bool, "bool_param"),
+    "binary_data": (_is_bool, "bool_param"),
+}
 
 
 def _prefix(request: InferenceRequest) -> str:
@@ -35,9 +62,18 @@ def _fmt(shape: object) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"  # type: ignore[union-attr]
 
 
+def _names(names: list[str]) -> str:
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
 def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
     """Validate in place and return the batch size (1 for models that do not batch). Tensors
-    whose config has `reshape` are reshaped to what the framework expects."""
+    whose config has `reshape` are reshaped to what the framework expects. Checks run in
+    Triton's order (input count, then each input, then outputs) with Triton's wording."""
+    required = [t.name for t in spec.inputs if not t.optional]
+    given = [t.name for t in request.inputs]
+    if not len(required) <= len(given) <= len(spec.inputs):
+        _raise_count(spec, request, required, given)
     batch: int | None = None
     seen: set[str] = set()
     for tensor in request.inputs:
@@ -45,7 +81,7 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         if ts is None:
             raise invalid_arg(f"{_prefix(request)}unexpected inference input '{tensor.name}' for model '{spec.name}'")
         if tensor.name in seen:
-            raise invalid_arg(f"{_prefix(request)}input '{tensor.name}' appears more than once in the request")
+            raise invalid_arg(f"{_prefix(request)}input '{tensor.name}' already exists in request")
         seen.add(tensor.name)
         if tensor.datatype != ts.datatype:
             raise invalid_arg(
@@ -57,25 +93,28 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
             batch = b
         elif b != batch:
             raise invalid_arg(
-                f"{_prefix(request)}input '{tensor.name}' has batch size {b} but other inputs have "
-                f"batch size {batch} for model '{spec.name}'"
+                f"{_prefix(request)}input '{tensor.name}' batch size does not match other inputs for '{spec.name}'"
             )
-    missing = [t.name for t in spec.inputs if not t.optional and t.name not in seen]
-    if missing:
-        required = [t.name for t in spec.inputs if not t.optional]
-        raise invalid_arg(
-            f"{_prefix(request)}expected {len(required)} inputs but got {len(seen)} inputs for model "
-            f"'{spec.name}'. Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
-            "Please provide all required input(s)."
-        )
-    names = set()
-    for out in request.outputs:
-        if spec.output(out.name) is None:
-            raise invalid_arg(f"{_prefix(request)}unexpected inference output '{out.name}' for model '{spec.name}'")
-        if out.name in names:
-            raise invalid_arg(f"{_prefix(request)}output '{out.name}' is requested more than once")
-        names.add(out.name)
+    if any(name not in seen for name in required):
+        _raise_count(spec, request, required, given)
+    if request.outputs:
+        unique: dict[str, RequestedOutput] = {}
+        for out in request.outputs:
+            if spec.output(out.name) is None:
+                raise invalid_arg(f"unexpected inference output '{out.name}' for model '{spec.name}'")
+            unique.setdefault(out.name, out)  # a repeated name is answered once, as Triton does
+        if len(unique) != len(request.outputs):
+            request.outputs = list(unique.values())
     return batch if batch is not None else 1
+
+
+def _raise_count(spec: ModelSpec, request: InferenceRequest, required: list[str], given: list[str]) -> None:
+    missing = [n for n in required if n not in given]
+    raise invalid_arg(
+        f"{_prefix(request)}expected {len(required)} inputs but got {len(given)} inputs for model "
+        f"'{spec.name}'. Got input(s) {_names(given)}, but missing required input(s) {_names(missing)}. "
+        "Please provide all required input(s)."
+    )
 
 
 def _check_shape(spec: ModelSpec, ts: TensorSpec, tensor: Tensor, request: InferenceRequest) -> int:
@@ -84,14 +123,14 @@ def _check_shape(spec: ModelSpec, ts: TensorSpec, tensor: Tensor, request: Infer
     batch = 1
     if spec.max_batch_size > 0:
         expected = [-1, *dims]
-        if len(shape) != len(dims) + 1 or shape[0] < 1:
-            raise _shape_error(spec, ts, tensor, request, expected, note=True)
-        batch = shape[0]
-        if batch > spec.max_batch_size:
+        if shape and shape[0] > spec.max_batch_size:
             raise invalid_arg(
                 f"{_prefix(request)}inference request batch-size must be <= {spec.max_batch_size} "
                 f"for '{spec.name}'"
             )
+        if len(shape) != len(dims) + 1 or shape[0] < 1:
+            raise _shape_error(spec, ts, tensor, request, expected, note=True)
+        batch = shape[0]
         rest = shape[1:]
     else:
         expected = list(dims)

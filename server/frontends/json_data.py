@@ -31,7 +31,7 @@ def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np
     """Build the tensor for `data` (nested or flat, row-major) and check its element count."""
     if datatype in JSON_UNSUPPORTED:
         raise invalid_arg(
-            f"input '{name}' has datatype {datatype}, which JSON cannot carry: use the binary data format"
+            f"receiving {datatype} data via JSON is not supported. Please use the binary data format for input {name}"
         )
     count = element_count(shape)
     if not isinstance(data, list):

@@ -48,13 +48,22 @@ BINARY_HEADER = json.dumps({"inputs": [
 HTTP_CASES = [
     ("malformed JSON", "POST", "/v2/models/simple/infer", b"garbage{", {}, 400, "failed to parse the request JSON"),
     ("JSON not an object", "POST", "/v2/models/simple/infer", b"[1,2]", {}, 400, "must be an object"),
-    ("no inputs", "POST", "/v2/models/simple/infer", b'{"inputs": []}', {}, 400, "non-empty 'inputs'"),
+    ("no inputs", "POST", "/v2/models/simple/infer", b'{"inputs": []}', {}, 400,
+     "expected 2 inputs but got 0 inputs for model 'simple'"),
+    ("inputs missing", "POST", "/v2/models/simple/infer", b'{"id": "x"}', {}, 400, "'inputs' array"),
     ("deeply nested JSON", "POST", "/v2/models/simple/infer", b"[" * 100000 + b"]" * 100000, {}, 400,
      "failed to parse"),
     ("truncated binary body", "POST", "/v2/models/simple/infer", BINARY_HEADER + b"\0" * 70,
-     {"Inference-Header-Content-Length": str(len(BINARY_HEADER))}, 400, "claims 64 bytes"),
+     {"Inference-Header-Content-Length": str(len(BINARY_HEADER))}, 400,
+     "unexpected size for input 'INPUT1', expecting 58 additional bytes for model 'simple'"),
+    ("trailing binary bytes", "POST", "/v2/models/simple/infer", BINARY_HEADER + b"\0" * 130,
+     {"Inference-Header-Content-Length": str(len(BINARY_HEADER))}, 400, "unexpected additional input data"),
+    ("binary size mismatch", "POST", "/v2/models/simple/infer",
+     BINARY_HEADER.replace(b'"binary_data_size": 64}}]', b'"binary_data_size": 60}}]') + b"\0" * 124,
+     {"Inference-Header-Content-Length": str(len(BINARY_HEADER))}, 400,
+     "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60"),
     ("header length out of range", "POST", "/v2/models/simple/infer", GOOD,
-     {"Inference-Header-Content-Length": str(len(GOOD) + 5)}, 400, "out of range"),
+     {"Inference-Header-Content-Length": str(len(GOOD) + 5)}, 400, "inference header size should be in range"),
     ("wrong datatype", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", datatype="FP32"), _inp("INPUT1")), {}, 400, "data-type is 'FP32'"),
     ("unknown datatype", "POST", "/v2/models/simple/infer",
@@ -76,7 +85,24 @@ HTTP_CASES = [
     ("missing input", "POST", "/v2/models/simple/infer", _body(_inp("INPUT0")), {}, 400,
      "missing required input(s) ['INPUT1']"),
     ("unknown input", "POST", "/v2/models/simple/infer",
-     _body(_inp("INPUT0"), _inp("INPUT1"), _inp("BAD")), {}, 400, "unexpected inference input 'BAD'"),
+     _body(_inp("INPUT0"), _inp("BAD")), {}, 400, "unexpected inference input 'BAD' for model 'simple'"),
+    ("too many inputs", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0"), _inp("INPUT1"), _inp("BAD")), {}, 400, "expected 2 inputs but got 3 inputs"),
+    ("duplicate input", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0"), _inp("INPUT0")), {}, 400, "input 'INPUT0' already exists in request"),
+    ("data and binary_data_size", "POST", "/v2/models/simple/infer",
+     _body({**_inp("INPUT0"), "parameters": {"binary_data_size": 64}}, _inp("INPUT1")), {}, 400,
+     "Input must set only one of the following fields"),
+    ("nested parameter value", "POST", "/v2/models/simple/infer",
+     json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "parameters": {"foo": {"a": 1}}}).encode(), {}, 400,
+     "parameter 'foo' has invalid type"),
+    ("priority not an integer", "POST", "/v2/models/simple/infer",
+     json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "parameters": {"priority": "high"}}).encode(), {},
+     400, "invalid value type for 'priority' parameter"),
+    ("unsupported content encoding", "POST", "/v2/models/simple/infer", GOOD, {"Content-Encoding": "br"}, 501,
+     "Unsupported compression type"),
+    ("gzip header, plain body", "POST", "/v2/models/simple/infer", GOOD, {"Content-Encoding": "gzip"}, 400,
+     "failed to read the request body"),
     ("unknown output", "POST", "/v2/models/simple/infer",
      json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "outputs": [{"name": "NOPE"}]}).encode(), {}, 400,
      "unexpected inference output 'NOPE'"),
@@ -88,7 +114,8 @@ HTTP_CASES = [
      "Request for unknown model: 'simple' version 7 is not found"),
     ("unknown model metadata", "GET", "/v2/models/nope", None, {}, 404, "Request for unknown model"),
     ("unknown model config", "GET", "/v2/models/nope/config", None, {}, 404, "Request for unknown model"),
-    ("oversized body", "POST", "/v2/models/simple/infer", b" " * (LIMIT + 1), {}, 413, "too large"),
+    ("oversized JSON", "POST", "/v2/models/simple/infer", b" " * (LIMIT + 1), {}, 413,
+     "exceeds the maximum allowed value of 1048576"),
     ("wrong verb", "GET", "/v2/models/simple/infer", None, {}, 405, "Method Not Allowed"),
     ("unknown path", "GET", "/v2/nothing/here", None, {}, 404, "Not Found"),
 ]
@@ -131,10 +158,24 @@ def _typed_short():
     return req
 
 
+def _typed_mixed():
+    req = _typed_short()
+    for t in req.inputs:
+        t.contents.int_contents.append(0)
+        t.contents.fp32_contents.append(1.0)
+    return req
+
+
+def _with_param(req, key, value):
+    req.parameters[key].string_param = value
+    return req
+
+
 GRPC_CASES = [
-    ("raw count mismatch", _req(raw=[b"\0" * 64]), grpc.StatusCode.INVALID_ARGUMENT, "raw_input_contents has 1"),
+    ("raw count mismatch", _req(raw=[b"\0" * 64]), grpc.StatusCode.INVALID_ARGUMENT,
+     "unable to find data for input tensor 'INPUT1'"),
     ("truncated raw input", _req(raw=[b"\0" * 64, b"\0" * 10]), grpc.StatusCode.INVALID_ARGUMENT,
-     "unexpected size 10 for input 'INPUT1'"),
+     "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 10"),
     ("wrong datatype", _req(inputs=(("INPUT0", "FP32", (1, 16)), ("INPUT1", "INT32", (1, 16)))),
      grpc.StatusCode.INVALID_ARGUMENT, "data-type is 'FP32'"),
     ("wrong shape", _req(inputs=(("INPUT0", "INT32", (1, 15)), ("INPUT1", "INT32", (1, 16)))),
@@ -142,12 +183,18 @@ GRPC_CASES = [
     ("wrong element count", _typed_short(), grpc.StatusCode.INVALID_ARGUMENT, "unexpected number of elements"),
     ("absurd shape", _req(inputs=(("INPUT0", "INT32", (1, 10**15)), ("INPUT1", "INT32", (1, 16))),
                           raw=[b"\0" * 64, b"\0" * 64]),
-     grpc.StatusCode.INVALID_ARGUMENT, "unexpected size"),
+     grpc.StatusCode.INVALID_ARGUMENT, "input byte size mismatch"),
     ("missing input", _req(inputs=(("INPUT0", "INT32", (1, 16)),)), grpc.StatusCode.INVALID_ARGUMENT,
      "missing required input(s) ['INPUT1']"),
     ("unknown input", _req(inputs=(("INPUT0", "INT32", (1, 16)), ("INPUT1", "INT32", (1, 16)),
                                    ("BAD", "INT32", (1, 16)))),
+     grpc.StatusCode.INVALID_ARGUMENT, "expected 2 inputs but got 3 inputs"),
+    ("unknown input name", _req(inputs=(("INPUT0", "INT32", (1, 16)), ("BAD", "INT32", (1, 16)))),
      grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference input 'BAD'"),
+    ("typed contents of another type", _typed_mixed(), grpc.StatusCode.INVALID_ARGUMENT,
+     "unexpected explicit tensor data for input tensor 'INPUT0'"),
+    ("priority as a string", _with_param(_req(), "priority", "high"), grpc.StatusCode.INVALID_ARGUMENT,
+     "invalid value type for 'priority' parameter"),
     ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
     ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
     ("unknown version", _req(version="7"), grpc.StatusCode.NOT_FOUND, "version 7 is not found"),
@@ -171,3 +218,17 @@ def test_grpc_bad_input(small_pier, case, request_msg, code, fragment):
     inputs[1].set_data_from_numpy(a)
     result = client.infer("simple", inputs)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_binary_tensor_data_is_not_bounded_by_the_json_limit(small_pier):
+    """--http-max-input-size bounds the JSON header only, as in Triton: a 4 MiB binary tensor
+    passes a server whose limit is 1 MiB."""
+    x = np.arange(1 << 20, dtype=np.float32).reshape(1, -1)
+    header = json.dumps({"inputs": [{"name": "INPUT0", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]}).encode()
+    r = requests.post(f"{small_pier.base()}/v2/models/identity_fp32/infer", data=header + x.tobytes(),
+                      headers={"Inference-Header-Content-Length": str(len(header))}, timeout=60)
+    assert r.status_code == 200, r.text[:200]
+    n = int(r.headers["Inference-Header-Content-Length"])
+    np.testing.assert_array_equal(np.frombuffer(r.content[n:], dtype=np.float32), x.reshape(-1))

@@ -176,3 +176,34 @@ def test_unimplemented_rpcs_say_so(pier):
         client.get_system_shared_memory_status()
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
     assert "not implemented" in err.value.message()
+
+
+def test_grpc_model_ready_is_false_for_unknown_models(pier):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    assert client.is_model_ready("nope") is False
+    assert client.is_model_ready("simple", "9") is False
+
+
+def test_grpc_stream_answers_in_request_order(pier):
+    client = grpcclient.InferenceServerClient(pier.grpc_url)
+    order = []
+    client.start_stream(callback=lambda result, error: order.append(
+        error.message() if error is not None else result.get_response().id))
+    try:
+        for i in range(12):
+            model = "nope" if i % 3 == 0 else ("simple" if i % 3 == 1 else "identity_fp32")
+            if model == "identity_fp32":
+                inp = grpcclient.InferInput("INPUT0", [1, 64], "FP32")
+                inp.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
+                inputs = [inp]
+            else:
+                inputs = _simple_inputs(grpcclient, 1)[0]
+            client.async_stream_infer(model, inputs, request_id=f"r{i}")
+    finally:
+        client.stop_stream()
+    assert len(order) == 12
+    for i, item in enumerate(order):
+        if i % 3 == 0:
+            assert "unknown model" in item
+        else:
+            assert item == f"r{i}"

@@ -30,7 +30,7 @@ def test_raw_binary_request(pier):
 def test_raw_binary_request_needs_a_single_input_model(pier):
     r = requests.post(f"{pier.base()}/v2/models/simple/infer", data=b"\0" * 64,
                       headers={"Inference-Header-Content-Length": "0"}, timeout=10)
-    assert r.status_code == 400 and "exactly one input" in r.json()["error"]
+    assert r.status_code == 400 and "Raw request must only have 1 input" in r.json()["error"]
 
 
 def test_gzip_and_deflate_request_bodies(pier):
@@ -93,3 +93,36 @@ def test_health_bodies_are_empty_and_model_ready_codes(pier):
         r = requests.get(pier.base() + path, timeout=5)
         assert r.status_code == 200 and r.content == b"", path
     assert requests.get(pier.base() + "/v2/models/nope/ready", timeout=5).status_code == 400
+
+
+def test_non_finite_floats_round_trip_as_json(pier):
+    """tritonclient writes NaN/Infinity literals in JSON; Triton reads and writes them too."""
+    import tritonclient.http as httpclient
+
+    x = np.array([[np.nan, np.inf, -np.inf, 1.5]], dtype=np.float32)
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(x, binary_data=False)
+    out_json = httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)
+    result = client.infer("identity_fp32", [inp], outputs=[out_json])
+    out = result.as_numpy("OUTPUT0")
+    assert np.isnan(out[0, 0]) and out[0, 1] == np.inf and out[0, 2] == -np.inf and out[0, 3] == 1.5
+
+
+def test_version_string_is_normalized(pier):
+    meta = requests.get(f"{pier.base()}/v2/models/simple/versions/01", timeout=5).json()
+    assert meta["versions"] == ["1"]
+
+
+def test_statistics_lookup_errors(pier):
+    r = requests.get(f"{pier.base()}/v2/models/nope/stats", timeout=5)
+    assert r.status_code == 400 and "requested model 'nope' is not available" in r.json()["error"]
+    r = requests.get(f"{pier.base()}/v2/models/simple/versions/9/stats", timeout=5)
+    assert r.status_code == 400 and "requested model version is not available" in r.json()["error"]
+
+
+def test_unimplemented_extensions_answer_501(pier):
+    for method, path in (("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/cudasharedmemory/unregister"),
+                         ("GET", "/v2/trace/setting"), ("GET", "/v2/logging")):
+        r = requests.request(method, pier.base() + path, timeout=5)
+        assert r.status_code == 501 and "not implemented" in r.json()["error"], path

@@ -32,6 +32,11 @@ _FIELD_DTYPE = {
     "fp64_contents": np.float64,
 }
 
+_FIELD_TYPE = {
+    "bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64", "uint_contents": "UINT32",
+    "uint64_contents": "UINT64", "fp32_contents": "FP32", "fp64_contents": "FP64", "bytes_contents": "BYTES",
+}
+
 
 def param_value(p: Any) -> Any:
     """InferParameter / ModelRepositoryParameter -> Python value."""
@@ -56,7 +61,11 @@ def params_dict(params: Any) -> dict[str, Any]:
 
 def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
     raw = req.raw_input_contents
+    model = req.model_name
     if raw and len(raw) != len(req.inputs):
+        which = req.inputs[len(raw)].name if len(raw) < len(req.inputs) else ""
+        if which:
+            raise invalid_arg(f"unable to find data for input tensor '{which}' for model '{model}'")
         raise invalid_arg(
             f"raw_input_contents has {len(raw)} entries but the request has {len(req.inputs)} inputs"
         )
@@ -64,25 +73,28 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
     for i, t in enumerate(req.inputs):
         name, datatype = t.name, t.datatype
         if not is_datatype(datatype):
-            raise invalid_arg(f"input '{name}' has invalid datatype '{datatype}'")
+            raise invalid_arg(f"invalid datatype for input {name}")
         shape = list(t.shape)
         if any(d < 0 for d in shape):
             raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
         params = params_dict(t.parameters)
+        check_parameters(params)
         if "shared_memory_region" in params:
             raise unsupported("shared-memory inputs are not supported yet")
         if raw:
             if t.HasField("contents"):
                 raise invalid_arg(
-                    f"input '{name}': contents and raw_input_contents cannot be mixed in one request"
+                    f"contents field must not be specified when using raw_input_contents for '{name}' "
+                    f"for model '{model}'"
                 )
-            data = from_raw(raw[i], datatype, shape, name)
+            data = from_raw(raw[i], datatype, shape, name, model, req.id)
         else:
-            data = _from_contents(t, datatype, shape)
+            data = _from_contents(t, datatype, shape, model)
         inputs.append(Tensor(name, datatype, shape, data, params))
     outputs = []
     for o in req.outputs:
         params = params_dict(o.parameters)
+        check_parameters(params)
         if "classification" in params:
             raise unsupported("the classification extension is not supported")
         if "shared_memory_region" in params:
@@ -90,13 +102,19 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
         outputs.append(RequestedOutput(o.name, params))
     params = params_dict(req.parameters)
     check_parameters(params)
-    return InferenceRequest(req.model_name, req.model_version, inputs, outputs, req.id, params)
+    return InferenceRequest(model, req.model_version, inputs, outputs, req.id, params)
 
 
-def _from_contents(t: Any, datatype: str, shape: list[int]) -> np.ndarray:
+def _from_contents(t: Any, datatype: str, shape: list[int], model: str) -> np.ndarray:
     field = _CONTENTS.get(datatype)
     if field is None:
         raise invalid_arg(f"input '{t.name}' is {datatype}, which must be sent in raw_input_contents")
+    for fd, _ in t.contents.ListFields():
+        if fd.name != field:
+            raise invalid_arg(
+                f"unexpected explicit tensor data for input tensor '{t.name}' for model '{model}' of type "
+                f"'{_FIELD_TYPE[fd.name]}', expected datatype '{datatype}'"
+            )
     values = getattr(t.contents, field)
     count = element_count(shape)
     if len(values) != count:

@@ -58,7 +58,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
+        # Triton 2.51 answers OK + ready=false for unknown models and versions (not an error).
+        try:
+            ready = self.plane.model_ready(request.name, request.version)
+        except PierError:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
 
     @_translate
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
@@ -90,39 +95,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests run concurrently; each answer (or in-band error) is sent as it completes,
-        carrying the request id and `triton_final_response`."""
-        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        pending: set[asyncio.Task[None]] = set()
+        """Requests run concurrently, answers (or in-band errors) go back in request order, as
+        Triton's do; each carries the request id and `triton_final_response`."""
+        order: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
 
-        async def run(req: pb.ModelInferRequest) -> None:
+        async def run(req: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
             try:
                 resp = codec.encode_response(await self.plane.infer(codec.decode_request(req)))
-                resp.parameters["triton_final_response"].bool_param = True
-                await results.put(pb.ModelStreamInferResponse(infer_response=resp))
             except PierError as exc:
                 err = pb.ModelStreamInferResponse(error_message=exc.message)
                 err.infer_response.id = req.id
-                err.infer_response.model_name = req.model_name
-                await results.put(err)
+                return err
+            resp.parameters["triton_final_response"].bool_param = True
+            return pb.ModelStreamInferResponse(infer_response=resp)
 
         async def read() -> None:
-            async for req in request_iterator:
-                task = asyncio.create_task(run(req))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-            await results.put(None)
+            try:
+                async for req in request_iterator:
+                    await order.put(asyncio.ensure_future(run(req)))
+            finally:
+                await order.put(None)
 
-        reader = asyncio.create_task(read())
+        reader = asyncio.ensure_future(read())
+        pending: list[asyncio.Task[pb.ModelStreamInferResponse]] = []
         try:
-            while (item := await results.get()) is not None:
-                yield item
+            while (task := await order.get()) is not None:
+                pending.append(task)
+                yield await task
+                pending.pop()
         finally:
             reader.cancel()
-            for t in list(pending):
+            for t in pending:
                 t.cancel()
+            while not order.empty():
+                leftover = order.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
 
     RepositoryModelLoad = _not_yet("RepositoryModelLoad (model control)")
     RepositoryModelUnload = _not_yet("RepositoryModelUnload (model control)")

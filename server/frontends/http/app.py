@@ -32,8 +32,9 @@ def _version(request: web.Request) -> str:
 
 
 class HttpHandlers:
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, max_json_size: int) -> None:
         self.plane = plane
+        self.max_json_size = max_json_size
 
     async def live(self, request: web.Request) -> web.Response:
         return _empty(200 if self.plane.live() else 400)
@@ -79,6 +80,7 @@ class HttpHandlers:
         body = await request.read()
         model, version = request.match_info["model"], _version(request)
         json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+        codec.check_json_size(len(body) if json_length is None else json_length, self.max_json_size)
         if json_length == 0:
             metadata = self.plane.model_metadata(model, version)
             batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
@@ -100,14 +102,22 @@ class HttpHandlers:
         return reply
 
 
+_ENCODINGS = frozenset({"gzip", "deflate", "identity"})
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
+        return error_response(501, f"Unsupported compression type '{encoding}': use gzip or deflate")
     try:
         return await handler(request)
     except PierError as exc:
         return from_error(exc)
+    except web.RequestPayloadError as exc:
+        return error_response(400, f"failed to read the request body ({encoding or 'identity'} encoding): {exc}")
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body is too large: {exc.text}. Raise --http-max-input-size.")
+        return error_response(413, f"request body is too large ({exc.text})")
     except web.HTTPNotFound:
         return error_response(404, "Not Found")
     except web.HTTPMethodNotAllowed:
@@ -119,9 +129,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+# Whole-body cap: binary tensor data is not bounded by --http-max-input-size (as in Triton), but
+# the server still refuses a body no tensor could need rather than buffer it.
+MAX_BODY_BYTES = (1 << 31) - 1
+
+
 def build_app(plane: DataPlane, max_input_size: int) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_input_size)
-    h = HttpHandlers(plane)
+    app = web.Application(middlewares=[error_middleware], client_max_size=max(max_input_size, MAX_BODY_BYTES))
+    h = HttpHandlers(plane, max_input_size)
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
     r = app.router
@@ -136,6 +151,9 @@ def build_app(plane: DataPlane, max_input_size: int) -> web.Application:
         r.add_get(base + "/stats", h.model_stats)
         r.add_post(base + "/infer", h.infer)
     r.add_post("/v2/repository/index", h.repository_index)
+    for path in ("/v2/systemsharedmemory/{tail:.*}", "/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
+                 "/v2/models/{model}/trace/setting", "/v2/logging"):
+        r.add_route("*", path, h.not_yet)
     r.add_post("/v2/repository/models/{model}/load", h.not_yet)
     r.add_post("/v2/repository/models/{model}/unload", h.not_yet)
     return app

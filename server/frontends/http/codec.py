@@ -1,28 +1,50 @@
 """KServe-v2 HTTP infer bodies <-> InferenceRequest/InferenceResponse, with Triton's binary
-tensor data extension (JSON header + raw blobs, `Inference-Header-Content-Length`)."""
+tensor data extension (JSON header + raw blobs, `Inference-Header-Content-Length`).
+Error wording follows Triton's where clients and test suites match on it."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import numpy as np
 import orjson
 
 from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
-from server.errors import internal, invalid_arg, unsupported
+from server.errors import ErrorCode, PierError, internal, invalid_arg, unsupported
 from server.frontends.json_data import array_from_json, array_to_json
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from server.validation import check_parameters
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
+_ONE_OF = ("Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+           "'shared_memory_region' in 'parameters'.")
 
 
 def parse_json(body: bytes | memoryview, what: str = "request JSON") -> Any:
+    """orjson first (fast); the stdlib parser only for what orjson refuses but Triton accepts:
+    the NaN / Infinity / -Infinity literals that tritonclient writes for non-finite floats."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise invalid_arg(f"failed to parse the {what}: {exc}") from None
+        error = exc
+    try:
+        return json.loads(bytes(body))
+    except (ValueError, RecursionError):
+        raise invalid_arg(f"failed to parse the {what}: {error}") from None
+
+
+def check_json_size(json_length: int, limit: int) -> None:
+    """--http-max-input-size bounds the JSON part of a request, as in Triton (binary tensor data
+    after it is not counted)."""
+    if json_length > limit:
+        raise PierError(
+            ErrorCode.TOO_LARGE,
+            f"Request JSON size of {json_length} exceeds the maximum allowed value of {limit}. "
+            "Use --http-max-input-size to increase the limit.",
+        )
 
 
 def header_length(value: str | None, body_length: int) -> int | None:
@@ -33,9 +55,7 @@ def header_length(value: str | None, body_length: int) -> int | None:
     except ValueError:
         raise invalid_arg(f"{HEADER_LENGTH} header must be an integer, got '{value}'") from None
     if n < 0 or n > body_length:
-        raise invalid_arg(
-            f"{HEADER_LENGTH} header value {n} is out of range: the body has {body_length} bytes"
-        )
+        raise invalid_arg(f"inference header size should be in range (0, {body_length}), got: {n}")
     return n
 
 
@@ -48,29 +68,29 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
 
 
 def decode_request(model: str, version: str, body: bytes, json_length: int | None) -> InferenceRequest:
-    """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON)."""
+    """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON;
+    0 is a raw binary request, see `decode_raw_request`)."""
     view = memoryview(body)
     if json_length is None:
         header, blobs = view, view[len(view):]
-    elif json_length == 0:
-        raise invalid_arg("a raw binary request needs the model's input: use decode_raw_request")
     else:
         header, blobs = view[:json_length], view[json_length:]
     doc = parse_json(header)
     if not isinstance(doc, dict):
         raise invalid_arg("the request JSON must be an object")
+    rid = doc.get("id", "")
+    if not isinstance(rid, str):
+        raise invalid_arg("'id' must be a string")
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise invalid_arg("the request JSON must have a non-empty 'inputs' array")
+    if not isinstance(raw_inputs, list):
+        raise invalid_arg("the request JSON must have an 'inputs' array")
     offset = 0
     inputs: list[Tensor] = []
     for i, item in enumerate(raw_inputs):
-        tensor, offset = _decode_input(item, i, blobs, offset)
+        tensor, offset = _decode_input(item, i, blobs, offset, model, rid)
         inputs.append(tensor)
     if offset != len(blobs):
-        raise invalid_arg(
-            f"the request body has {len(blobs) - offset} bytes of binary data that no input claims"
-        )
+        raise invalid_arg(f"unexpected additional input data for model '{model}'")
     outputs = []
     raw_outputs = doc.get("outputs", [])
     if not isinstance(raw_outputs, list):
@@ -79,14 +99,12 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise invalid_arg("each requested output must be an object with a 'name'")
         params = _dict(item.get("parameters"), "outputs.parameters")
+        check_parameters(params)
         if "classification" in params:
             raise unsupported("the classification extension is not supported")
         if "shared_memory_region" in params:
             raise unsupported("shared-memory outputs are not supported yet")
         outputs.append(RequestedOutput(item["name"], params))
-    rid = doc.get("id", "")
-    if not isinstance(rid, str):
-        raise invalid_arg("'id' must be a string")
     params = _dict(doc.get("parameters"), "parameters")
     check_parameters(params)
     return InferenceRequest(model, version, inputs, outputs, rid, params)
@@ -99,8 +117,8 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
     inputs = metadata["inputs"]
     if len(inputs) != 1:
         raise invalid_arg(
-            f"a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; "
-            f"'{model}' has {len(inputs)}"
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} inputs in "
+            f"'{model}' model configuration"
         )
     spec = inputs[0]
     name, datatype = spec["name"], spec["datatype"]
@@ -116,12 +134,13 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
                 f"cannot infer the shape {shape} of input '{name}' from a raw binary body of {len(body)} bytes"
             )
         shape[variable[0]] = len(body) // (known * size)
-    data = from_raw(memoryview(body), datatype, shape, name)
+    data = from_raw(memoryview(body), datatype, shape, name, model)
     return InferenceRequest(model, version, [Tensor(name, datatype, shape, data)], [], "",
                             {"binary_data_output": True})
 
 
-def _decode_input(item: Any, index: int, blobs: memoryview, offset: int) -> tuple[Tensor, int]:
+def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: str,
+                  rid: str) -> tuple[Tensor, int]:
     if not isinstance(item, dict):
         raise invalid_arg(f"input {index} must be a JSON object")
     name = item.get("name")
@@ -129,35 +148,39 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int) -> tupl
         raise invalid_arg(f"input {index} must have a 'name'")
     datatype = item.get("datatype")
     if not isinstance(datatype, str) or not is_datatype(datatype):
-        raise invalid_arg(f"input '{name}' has invalid datatype {datatype!r}")
+        raise invalid_arg(f"invalid datatype for input {name}")
     shape = item.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise invalid_arg(f"input '{name}' must have a 'shape' array of integers")
     if any(d < 0 for d in shape):
         raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
     params = _dict(item.get("parameters"), f"parameters of input '{name}'")
-    if "shared_memory_region" in params:
-        raise unsupported("shared-memory inputs are not supported yet")
     size = params.get("binary_data_size")
     has_data = "data" in item
+    present = [k for k, on in (("data", has_data), ("binary_data_size", size is not None),
+                                ("shared_memory_region", "shared_memory_region" in params)) if on]
+    if len(present) != 1:
+        raise invalid_arg(f"{_ONE_OF} But {'none' if not present else ' and '.join(present)} set for input '{name}'")
+    if "shared_memory_region" in params:
+        raise unsupported("shared-memory inputs are not supported yet")
     if size is not None:
-        if has_data:
-            raise invalid_arg(f"input '{name}' has both 'data' and binary_data_size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise invalid_arg(f"binary_data_size of input '{name}' must be a non-negative integer")
         if offset + size > len(blobs):
             raise invalid_arg(
-                f"input '{name}' claims {size} bytes of binary data but only {len(blobs) - offset} remain "
-                "in the request body"
+                f"unexpected size for input '{name}', expecting {offset + size - len(blobs)} additional bytes "
+                f"for model '{model}'"
             )
-        data = from_raw(blobs[offset:offset + size], datatype, shape, name)
+        data = from_raw(blobs[offset:offset + size], datatype, shape, name, model, rid)
         offset += size
-    elif has_data:
-        data = array_from_json(item["data"], datatype, shape, name)
     else:
-        raise invalid_arg(f"input '{name}' must have 'data' or a binary_data_size parameter")
+        data = array_from_json(item["data"], datatype, shape, name)
     rest = {k: v for k, v in params.items() if k != "binary_data_size"}
     return Tensor(name, datatype, shape, data, rest), offset
+
+
+def _has_non_finite(t: Tensor) -> bool:
+    return t.data.dtype.kind == "f" and t.data.size > 0 and not bool(np.isfinite(t.data).all())
 
 
 def encode_response(response: InferenceResponse, request: InferenceRequest) -> tuple[bytes, int | None]:
@@ -166,11 +189,13 @@ def encode_response(response: InferenceResponse, request: InferenceRequest) -> t
     wanted = {o.name: o.parameters for o in request.outputs}
     outs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
+    non_finite = any_binary = False
     for t in response.outputs:
         p = wanted.get(t.name, {})
         binary = p.get("binary_data", default_binary) is True or t.datatype in JSON_UNSUPPORTED
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
         if binary:
+            any_binary = True
             blob = to_raw(t.data, t.datatype)
             entry["parameters"] = {**t.parameters, "binary_data_size": len(blob)}
             if blob:
@@ -179,6 +204,7 @@ def encode_response(response: InferenceResponse, request: InferenceRequest) -> t
             if t.parameters:
                 entry["parameters"] = t.parameters
             entry["data"] = array_to_json(t.data, t.datatype)
+            non_finite = non_finite or _has_non_finite(t)
         outs.append(entry)
     doc: dict[str, Any] = {}
     if response.id:
@@ -188,10 +214,23 @@ def encode_response(response: InferenceResponse, request: InferenceRequest) -> t
     if response.parameters:
         doc["parameters"] = response.parameters
     doc["outputs"] = outs
-    try:
-        header = orjson.dumps(doc, option=_JSON_OPTS)
-    except TypeError as exc:
-        raise internal(f"cannot encode an output as JSON: {exc}") from None
-    if not blobs and not any("binary_data_size" in o.get("parameters", {}) for o in outs):
+    header = _dumps_with_non_finite(doc) if non_finite else _dumps(doc)
+    if not any_binary:
         return header, None
     return b"".join([header, *blobs]), len(header)
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(doc, option=_JSON_OPTS)
+    except TypeError as exc:
+        raise internal(f"cannot encode an output as JSON: {exc}") from None
+
+
+def _dumps_with_non_finite(doc: dict[str, Any]) -> bytes:
+    """orjson writes NaN/Inf as null; Triton writes NaN, Infinity, -Infinity (which tritonclient
+    and Python's json read back). Rare, so the slower stdlib encoder is fine here."""
+    for out in doc["outputs"]:
+        if isinstance(out.get("data"), np.ndarray):
+            out["data"] = out["data"].tolist()
+    return json.dumps(doc, separators=(",", ":")).encode()
