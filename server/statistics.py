@@ -31,6 +31,7 @@ class BatchStats:
     compute_output: Duration = field(default_factory=Duration)
 
 
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 _STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
            "cache_hit", "cache_miss")
 
@@ -49,6 +50,8 @@ class ModelStatistics:
     cache_hit: Duration = field(default_factory=Duration)
     cache_miss: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=dict)
+    # failed requests by Triton's metric reason: REJECTED, CANCELED, BACKEND, OTHER
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One model execution over `batch_size` elements."""
@@ -62,11 +65,12 @@ class ModelStatistics:
         b.compute_output.add(output_ns)
 
     def record_request(self, ok: bool, total_ns: int, queue_ns: int = 0, input_ns: int = 0,
-                       infer_ns: int = 0, output_ns: int = 0) -> None:
+                       infer_ns: int = 0, output_ns: int = 0, reason: str | None = None) -> None:
         """One finished request (per-request stage durations count only on success)."""
         self.last_inference_ms = time.time_ns() // 1_000_000
         if not ok:
             self.fail.add(total_ns)
+            self.failures[reason if reason in self.failures else "OTHER"] += 1
             return
         self.success.add(total_ns)
         self.queue.add(queue_ns)

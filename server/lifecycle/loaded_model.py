@@ -7,8 +7,10 @@ from typing import Any
 
 from backends.base import Backend, InstanceContext, ModelContext, ModelInstance
 from server.errors import unavailable
+from server.repository.model_config import batching_policy
 from server.scheduling.base import Scheduler
 from server.scheduling.direct import DirectScheduler
+from server.scheduling.dynamic_batcher import DynamicBatcher
 from server.statistics import ModelStatistics
 from server.types import ModelSpec
 
@@ -63,5 +65,11 @@ def build_loaded_model(spec: ModelSpec, config: Any, version: int,
                        instances: list[ModelInstance]) -> LoadedModel:
     """On the event loop: wrap instances in the scheduler the config asks for."""
     stats = ModelStatistics()
-    scheduler = DirectScheduler(instances, stats, f"{spec.name}-{version}")
+    name = f"{spec.name}-{version}"
+    policy = batching_policy(config)
+    scheduler: Scheduler
+    if policy is None:
+        scheduler = DirectScheduler(instances, stats, name)
+    else:
+        scheduler = DynamicBatcher(instances, stats, name, policy)
     return LoadedModel(spec, config, version, scheduler, stats)

@@ -20,6 +20,7 @@ from server import backend_registry
 from server.datatypes import config_to_datatype, datatype_to_config
 from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
+from server.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
 from server.types import InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
 
 ModelConfig = mc.ModelConfig
@@ -203,6 +204,12 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
         if group.count < 0:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
     if config.HasField("dynamic_batching"):
+        db = config.dynamic_batching
+        if db.priority_levels and not 0 <= db.default_priority_level <= db.priority_levels:
+            raise fail(f"default_priority_level {db.default_priority_level} must be in 1..{db.priority_levels}")
+        for level in db.priority_queue_policy:
+            if not 1 <= level <= db.priority_levels:
+                raise fail(f"priority_queue_policy level {level} must be in 1..priority_levels ({db.priority_levels})")
         for size in config.dynamic_batching.preferred_batch_size:
             if size <= 0 or (config.max_batch_size > 0 and size > config.max_batch_size):
                 raise fail(
@@ -301,3 +308,30 @@ def _convert(v: Any, fd: Any) -> Any:
     if fd.type in _INT64_TYPES and isinstance(v, str):
         return int(v)
     return v
+
+
+def batching_policy(config: mc.ModelConfig) -> BatchingPolicy | None:
+    """The dynamic batcher's settings, or None when the model runs requests one at a time
+    (no `dynamic_batching`, or max_batch_size 0)."""
+    if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
+        return None
+    db = config.dynamic_batching
+
+    def queue_policy(q: Any) -> QueuePolicy:
+        return QueuePolicy(
+            timeout_action_delay=q.timeout_action == mc.ModelQueuePolicy.DELAY,
+            default_timeout_us=q.default_timeout_microseconds,
+            allow_timeout_override=q.allow_timeout_override,
+            max_queue_size=q.max_queue_size,
+        )
+
+    return BatchingPolicy(
+        max_batch_size=config.max_batch_size,
+        preferred_sizes=tuple(db.preferred_batch_size),
+        max_queue_delay_us=db.max_queue_delay_microseconds,
+        preserve_ordering=db.preserve_ordering,
+        priority_levels=db.priority_levels,
+        default_priority_level=db.default_priority_level,
+        default_policy=queue_policy(db.default_queue_policy),
+        level_policies={int(k): queue_policy(v) for k, v in db.priority_queue_policy.items()},
+    )

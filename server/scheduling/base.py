@@ -1,4 +1,4 @@
-"""The scheduler interface every scheduler implements: enqueue, inflight_count, stop."""
+"""The scheduler interface every scheduler implements: enqueue, inflight_count, pending_count, stop."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def inflight_count(self) -> int:
         """Requests accepted and not yet answered."""
+
+    @abc.abstractmethod
+    def pending_count(self) -> int:
+        """Requests queued and not yet executing (nv_inference_pending_request_count)."""
 
     @abc.abstractmethod
     async def stop(self) -> None:

@@ -32,14 +32,18 @@ class DirectScheduler(Scheduler):
         output_ns = done - job.end_ns
         self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
         result = job.results[0]
+        ok = not isinstance(result, Exception)
         self._stats.record_request(
-            not isinstance(result, Exception), done - item.enqueued_ns,
-            job.picked_ns - item.enqueued_ns, input_ns, infer_ns, output_ns,
+            ok, done - item.enqueued_ns, job.picked_ns - item.enqueued_ns, input_ns, infer_ns, output_ns,
+            reason=None if ok else "BACKEND",
         )
         return result
 
     def inflight_count(self) -> int:
         return self._inflight
+
+    def pending_count(self) -> int:
+        return self._pool.queued()
 
     async def stop(self) -> None:
         await self._pool.stop()

@@ -45,6 +45,10 @@ class InstancePool:
         for t in self._threads:
             t.start()
 
+    def queued(self) -> int:
+        """Jobs not yet taken by an instance."""
+        return self._jobs.qsize()
+
     @property
     def size(self) -> int:
         return len(self._threads)

@@ -1,0 +1,282 @@
+"""Triton's dynamic batcher: queued requests with compatible shapes are merged along dim 0 and
+run as one batch on the next idle instance.
+
+When an instance is idle, the batcher takes requests in priority order (then arrival order),
+stopping at the first one that does not fit (incompatible shapes, or past max_batch_size).
+It runs that batch at once if it reached max_batch_size or a preferred size, or when the
+oldest request has waited max_queue_delay_microseconds; otherwise it waits for more.
+Per-level queue policies bound the queue (a full queue rejects at once with UNAVAILABLE) and
+time requests out (REJECT fails them, DELAY moves them behind every request still in time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from backends.base import ExecuteResult, ModelInstance
+from server.errors import internal, invalid_arg, unavailable
+from server.scheduling.base import Scheduler, WorkItem
+from server.scheduling.batch import CompatKey, compat_key, merge, split
+from server.scheduling.instance_pool import InstancePool, JobResult
+from server.statistics import ModelStatistics
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    timeout_action_delay: bool = False  # False: REJECT (default), True: DELAY
+    default_timeout_us: int = 0  # 0: no timeout
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0  # 0: unbounded
+
+
+@dataclass(frozen=True)
+class BatchingPolicy:
+    max_batch_size: int
+    preferred_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_policy: QueuePolicy = QueuePolicy()
+    level_policies: dict[int, QueuePolicy] = field(default_factory=dict)
+
+    def policy(self, level: int) -> QueuePolicy:
+        return self.level_policies.get(level, self.default_policy)
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    item: WorkItem
+    future: asyncio.Future
+    key: CompatKey
+    level: int
+    deadline_ns: int | None
+
+
+class DynamicBatcher(Scheduler):
+    def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
+                 policy: BatchingPolicy) -> None:
+        self._pool = InstancePool(instances, name)
+        self._idle = self._pool.size
+        self._stats = stats
+        self._policy = policy
+        levels = max(policy.priority_levels, 1)
+        self._queues: list[deque[_Pending]] = [deque() for _ in range(levels)]
+        self._delayed: deque[_Pending] = deque()  # timed out with action DELAY: served last
+        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._executing = 0
+        self._stopping = False
+        self._next_seq = 0
+        self._deliver_seq = 0
+        self._finished: dict[int, tuple[list[_Pending], list[ExecuteResult], JobResult]] = {}
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    # ---- enqueue -------------------------------------------------------------------------
+
+    def _level_of(self, item: WorkItem) -> int:
+        p = self._policy
+        if p.priority_levels <= 0:
+            return 1
+        requested = item.request.parameters.get("priority", 0)
+        level = requested or p.default_priority_level or p.priority_levels
+        if level > p.priority_levels:
+            raise invalid_arg(
+                f"priority level {level} is out of range: the model has priority levels 1..{p.priority_levels}"
+            )
+        return level
+
+    def _deadline(self, item: WorkItem, policy: QueuePolicy) -> int | None:
+        timeout = policy.default_timeout_us
+        requested = item.request.parameters.get("timeout", 0)
+        if policy.allow_timeout_override and requested:
+            timeout = min(timeout, requested) if timeout else requested
+        return item.enqueued_ns + timeout * 1000 if timeout else None
+
+    async def enqueue(self, item: WorkItem) -> ExecuteResult:
+        if self._stopping:
+            raise unavailable("model is unloading: no new requests are accepted")
+        level = self._level_of(item)
+        policy = self._policy.policy(level)
+        queue = self._queues[level - 1]
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            self._stats.record_request(False, 0, reason="REJECTED")
+            raise unavailable("Exceeds maximum queue size")
+        future = asyncio.get_running_loop().create_future()
+        queue.append(_Pending(item, future, compat_key(item.request), level, self._deadline(item, policy)))
+        self._wake.set()
+        return await future
+
+    def inflight_count(self) -> int:
+        return self.pending_count() + self._executing
+
+    def pending_count(self) -> int:
+        return sum(len(q) for q in self._queues) + len(self._delayed)
+
+    # ---- the batching loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            now = time.perf_counter_ns()
+            next_wake = self._expire(now)
+            while self._idle > 0:
+                batch, wait_until = self._next_batch(now)
+                if not batch:
+                    if wait_until is not None:
+                        next_wake = wait_until if next_wake is None else min(next_wake, wait_until)
+                    break
+                self._dispatch(batch)
+            if self._stopping and not self.pending_count() and not self._executing:
+                return
+            self._arm(next_wake, now)
+
+    def _arm(self, when_ns: int | None, now: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if when_ns is not None:
+            delay = max(when_ns - now, 0) / 1e9
+            self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+
+    def _expire(self, now: int) -> int | None:
+        """Apply timeouts; return the next deadline still ahead."""
+        next_deadline = None
+        for queue in self._queues:
+            if not any(p.deadline_ns is not None for p in queue):
+                continue
+            keep: deque[_Pending] = deque()
+            for p in queue:
+                if p.deadline_ns is not None and p.deadline_ns <= now:
+                    if self._policy.policy(p.level).timeout_action_delay:
+                        p.deadline_ns = None
+                        self._delayed.append(p)
+                    else:
+                        self._stats.record_request(False, now - p.item.enqueued_ns, reason="REJECTED")
+                        if not p.future.done():
+                            p.future.set_result(unavailable("Request timeout expired"))
+                    continue
+                if p.deadline_ns is not None:
+                    next_deadline = p.deadline_ns if next_deadline is None else min(next_deadline, p.deadline_ns)
+                keep.append(p)
+            queue.clear()
+            queue.extend(keep)
+        return next_deadline
+
+    def _ordered(self):
+        for queue in self._queues:
+            yield from queue
+        yield from self._delayed
+
+    def _next_batch(self, now: int) -> tuple[list[_Pending], int | None]:
+        """The batch to run now, or ([], when to look again)."""
+        p = self._policy
+        candidate: list[_Pending] = []
+        sizes: list[int] = []
+        total = 0
+        for pending in self._ordered():
+            if pending.future.done():  # cancelled by its client while queued
+                continue
+            if candidate and (pending.key != candidate[0].key or total + pending.item.batch_size > p.max_batch_size):
+                break
+            candidate.append(pending)
+            sizes.append(pending.item.batch_size)
+            total += pending.item.batch_size
+            if total >= p.max_batch_size:
+                break
+        if not candidate:
+            self._drop_done()
+            return [], None
+        if total >= p.max_batch_size:
+            return self._take(candidate), None
+        preferred = self._longest_preferred_prefix(sizes)
+        full_stop = len(candidate) < self.pending_count()  # something queued could not join
+        if preferred and (preferred == len(candidate) or full_stop):
+            return self._take(candidate[:preferred]), None
+        deadline = candidate[0].item.enqueued_ns + p.max_queue_delay_us * 1000
+        if now >= deadline or full_stop:
+            return self._take(candidate[:preferred] if preferred else candidate), None
+        return [], deadline
+
+    def _longest_preferred_prefix(self, sizes: list[int]) -> int:
+        """How many leading requests add up to a preferred batch size (0: none)."""
+        best, running = 0, 0
+        for i, size in enumerate(sizes):
+            running += size
+            if running in self._policy.preferred_sizes:
+                best = i + 1
+        return best
+
+    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        chosen = set(map(id, batch))
+        for queue in (*self._queues, self._delayed):
+            if any(id(p) in chosen for p in queue):
+                kept = [p for p in queue if id(p) not in chosen]
+                queue.clear()
+                queue.extend(kept)
+        return batch
+
+    def _drop_done(self) -> None:
+        for queue in (*self._queues, self._delayed):
+            if any(p.future.done() for p in queue):
+                kept = [p for p in queue if not p.future.done()]
+                queue.clear()
+                queue.extend(kept)
+
+    # ---- execution -----------------------------------------------------------------------
+
+    def _dispatch(self, batch: list[_Pending]) -> None:
+        self._idle -= 1
+        self._executing += len(batch)
+        seq = self._next_seq
+        self._next_seq += 1
+        job = self._pool.submit([merge([p.item.request for p in batch])])
+        job.add_done_callback(lambda fut: self._on_done(seq, batch, fut))
+
+    def _on_done(self, seq: int, batch: list[_Pending], fut: asyncio.Future) -> None:
+        self._idle += 1
+        self._executing -= len(batch)
+        job: JobResult = fut.result()
+        sizes = [p.item.batch_size for p in batch]
+        if len(job.results) != 1:
+            results: list[ExecuteResult] = [internal(f"backend returned {len(job.results)} results for 1 batch")] * len(
+                batch)
+        else:
+            results = split(job.results[0], sizes)
+        done = time.perf_counter_ns()
+        input_ns = job.start_ns - job.picked_ns
+        infer_ns = job.end_ns - job.start_ns
+        output_ns = done - job.end_ns
+        self._stats.record_execution(sum(sizes), input_ns, infer_ns, output_ns)
+        for p, result in zip(batch, results):
+            ok = not isinstance(result, Exception)
+            self._stats.record_request(ok, done - p.item.enqueued_ns, job.picked_ns - p.item.enqueued_ns,
+                                       input_ns, infer_ns, output_ns, reason=None if ok else "BACKEND")
+        if self._policy.preserve_ordering:
+            self._finished[seq] = (batch, results, job)
+            while self._deliver_seq in self._finished:
+                b, r, _ = self._finished.pop(self._deliver_seq)
+                self._deliver(b, r)
+                self._deliver_seq += 1
+        else:
+            self._deliver(batch, results)
+        self._wake.set()
+
+    @staticmethod
+    def _deliver(batch: list[_Pending], results: list[ExecuteResult]) -> None:
+        for p, result in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(result)
+
+    async def stop(self) -> None:
+        """Run what is queued, then stop the loop and the instances."""
+        self._stopping = True
+        self._wake.set()
+        await self._task
+        if self._timer is not None:
+            self._timer.cancel()
+        await self._pool.stop()
