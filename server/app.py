@@ -9,12 +9,12 @@ import logging
 import signal
 import sys
 
-import prometheus_client
 from aiohttp import web
 
 from server.data_plane import DataPlane
 from server.frontends.grpc.servicer import start_grpc_server
 from server.frontends.http.app import build_app
+from server.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from server.repository.manager import RepositoryManager
 from server.settings import Settings
 
@@ -31,11 +31,6 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     fmt = "| " + " | ".join(f"{{:<{w}}}" for w in widths) + " |"
     return "\n".join([line, fmt.format(*header), line, *(fmt.format(*r) for r in rows), line])
-
-
-async def _metrics_handler(request: web.Request) -> web.Response:
-    body = prometheus_client.generate_latest(prometheus_client.REGISTRY)
-    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
 class PierServer:
@@ -61,8 +56,13 @@ class PierServer:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s", address)
         if s.allow_metrics:
+            renderer = MetricsRenderer(self.manager.loaded_models, MetricsConfig.parse(s.metrics_config))
+
+            async def metrics(request: web.Request) -> web.Response:
+                return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})
+
             app = web.Application()
-            app.router.add_get("/metrics", _metrics_handler)
+            app.router.add_get("/metrics", metrics)
             await self._serve_http(app, s.metrics_address, s.metrics_port)
             log.info("Started Metrics Service at %s:%d", s.metrics_address, s.metrics_port)
 

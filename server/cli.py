@@ -44,6 +44,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
     flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
     flag("--model-load-thread-count", type=int, default=4)
+    flag("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
+         help="counter_latencies=true|false, histogram_latencies=true|false (repeatable)")
     return p
 
 
@@ -64,6 +66,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--load-model requires --model-control-mode=explicit")
     if "*" in args.load_model and len(args.load_model) > 1:
         parser.error("--load-model=* must be the only --load-model")
+    from server.metrics.registry import MetricsConfig
+
+    try:
+        MetricsConfig.parse(args.metrics_config)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.model_control_mode == "poll":
         parser.error("--model-control-mode=poll is not supported yet (use none or explicit)")
     return Settings(
@@ -87,6 +95,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         http_max_input_size=args.http_max_input_size,
         grpc_max_message_size=args.grpc_max_message_size,
         model_load_thread_count=args.model_load_thread_count,
+        metrics_config=tuple(args.metrics_config),
     )
 
 

@@ -120,7 +120,11 @@ class DataPlane:
             raise unsupported(
                 f"model '{spec.name}' is decoupled: use the streaming API (gRPC ModelStreamInfer)"
             )
-        batch = validate_request(spec, request)
+        try:
+            batch = validate_request(spec, request)
+        except PierError:
+            model.stats.record_request(False, 0, reason="OTHER")
+            raise
         self._inflight += 1
         self._idle.clear()
         try:

@@ -6,6 +6,7 @@ All durations are cumulative nanoseconds. `inference_count` counts batch element
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,9 @@ class BatchStats:
     compute_output: Duration = field(default_factory=Duration)
 
 
+# Buckets of nv_inference_first_response_histogram_ms (Triton's defaults), milliseconds.
+HISTOGRAM_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+_BUCKET_NS = tuple(int(b * 1_000_000) for b in HISTOGRAM_BUCKETS_MS)
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 _STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
            "cache_hit", "cache_miss")
@@ -52,6 +56,8 @@ class ModelStatistics:
     batches: dict[int, BatchStats] = field(default_factory=dict)
     # failed requests by Triton's metric reason: REJECTED, CANCELED, BACKEND, OTHER
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    # successful request latencies per histogram bucket (last slot: above the largest bound)
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_BUCKETS_MS) + 1))
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One model execution over `batch_size` elements."""
@@ -73,6 +79,7 @@ class ModelStatistics:
             self.failures[reason if reason in self.failures else "OTHER"] += 1
             return
         self.success.add(total_ns)
+        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, total_ns)] += 1
         self.queue.add(queue_ns)
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)

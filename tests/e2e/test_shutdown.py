@@ -6,12 +6,10 @@ import signal
 import threading
 import time
 
-import numpy as np
 import requests
-from onnx import TensorProto, helper, numpy_helper
 
-from scripts.build_example_models import IR_VERSION, OPSET
 from tests.conftest import start_pier
+from tests.model_builders import slow_model
 
 SLOW_CONFIG = """name: "slow"
 platform: "onnxruntime_onnx"
@@ -19,23 +17,6 @@ max_batch_size: 0
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 1, 256 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1, 256 ] } ]
 """
-
-
-def slow_model(layers: int = 40) -> bytes:
-    """Y = mean over 2048 rows of tanh(...tanh(expand(X) @ W)...): a few hundred ms on a CPU."""
-    w = numpy_helper.from_array(np.eye(256, dtype=np.float32) * 0.5, "W")
-    shape = numpy_helper.from_array(np.array([2048, 256], dtype=np.int64), "S")
-    nodes = [helper.make_node("Expand", ["X", "S"], ["h0"])]
-    for i in range(layers):
-        nodes.append(helper.make_node("MatMul", [f"h{i}", "W"], [f"m{i}"]))
-        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i + 1}"]))
-    nodes.append(helper.make_node("ReduceMean", [f"h{layers}"], ["Y"], axes=[0], keepdims=1))
-    graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 256])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 256])], [w, shape])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = IR_VERSION
-    assert OPSET == 17
-    return model.SerializeToString()
 
 
 def test_sigterm_finishes_in_flight_requests(tmp_path):

@@ -1,0 +1,31 @@
+"""ONNX models that only tests need (the example ones live in scripts/build_example_models.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from scripts.build_example_models import _model
+
+
+def slow_model(layers: int = 40, batched: bool = False) -> bytes:
+    """Y = mean over 2048 copies of tanh(...tanh(X @ W)...): tens to hundreds of ms per row on a
+    CPU. X and Y are FP32 [1, 256], or [-1, 256] when `batched`."""
+    w = numpy_helper.from_array(np.eye(256, dtype=np.float32) * 0.5, "W")
+    if batched:
+        axes = numpy_helper.from_array(np.array([1], dtype=np.int64), "A")
+        shape = numpy_helper.from_array(np.array([1, 2048, 1], dtype=np.int64), "S")
+        nodes = [helper.make_node("Unsqueeze", ["X", "A"], ["u"]), helper.make_node("Expand", ["u", "S"], ["h0"])]
+        inits, io_shape, reduce_axis = [w, axes, shape], ["batch", 256], 1
+    else:
+        shape = numpy_helper.from_array(np.array([2048, 256], dtype=np.int64), "S")
+        nodes = [helper.make_node("Expand", ["X", "S"], ["h0"])]
+        inits, io_shape, reduce_axis = [w, shape], [1, 256], 0
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [f"h{i}", "W"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i + 1}"]))
+    keep = 0 if batched else 1
+    nodes.append(helper.make_node("ReduceMean", [f"h{layers}"], ["Y"], axes=[reduce_axis], keepdims=keep))
+    graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("X", TensorProto.FLOAT, io_shape)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, io_shape)], inits)
+    return _model(graph)
