@@ -66,14 +66,14 @@ class DynamicBatcher(Scheduler):
         levels = max(policy.priority_levels, 1)
         self._queues: list[deque[_Pending]] = [deque() for _ in range(levels)]
         self._delayed: deque[_Pending] = deque()  # timed out with action DELAY: served last
-        self._wake = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
         self._executing = 0
         self._stopping = False
+        self._drained = asyncio.Event()
         self._next_seq = 0
         self._deliver_seq = 0
-        self._finished: dict[int, tuple[list[_Pending], list[ExecuteResult], JobResult]] = {}
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._finished: dict[int, tuple[list[_Pending], list[ExecuteResult]]] = {}
 
     # ---- enqueue -------------------------------------------------------------------------
 
@@ -107,7 +107,7 @@ class DynamicBatcher(Scheduler):
             raise unavailable("Exceeds maximum queue size")
         future = asyncio.get_running_loop().create_future()
         queue.append(_Pending(item, future, compat_key(item.request), level, self._deadline(item, policy)))
-        self._wake.set()
+        self._schedule()
         return await future
 
     def inflight_count(self) -> int:
@@ -118,30 +118,37 @@ class DynamicBatcher(Scheduler):
 
     # ---- the batching loop ---------------------------------------------------------------
 
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            now = time.perf_counter_ns()
-            next_wake = self._expire(now)
-            while self._idle > 0:
-                batch, wait_until = self._next_batch(now)
-                if not batch:
-                    if wait_until is not None:
-                        next_wake = wait_until if next_wake is None else min(next_wake, wait_until)
-                    break
-                self._dispatch(batch)
-            if self._stopping and not self.pending_count() and not self._executing:
-                return
-            self._arm(next_wake, now)
+    def _schedule(self) -> None:
+        """Run on every arrival, completion and timer: apply timeouts, then start batches while
+        an instance is idle. Synchronous, so a request that can run at once starts in the same
+        loop iteration it arrived in."""
+        now = time.perf_counter_ns()
+        next_wake = self._expire(now)
+        while self._idle > 0:
+            batch, wait_until = self._next_batch(now)
+            if not batch:
+                if wait_until is not None:
+                    next_wake = wait_until if next_wake is None else min(next_wake, wait_until)
+                break
+            self._dispatch(batch)
+        if self._stopping and not self.pending_count() and not self._executing:
+            self._drained.set()
+        self._arm(next_wake, now)
 
     def _arm(self, when_ns: int | None, now: int) -> None:
+        if when_ns == self._timer_at:
+            return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        self._timer, self._timer_at = None, when_ns
         if when_ns is not None:
-            delay = max(when_ns - now, 0) / 1e9
-            self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+            # uvloop fires sub-millisecond timers on the next loop iteration, so short queue
+            # delays are honoured to the microsecond (at the cost of re-checking each iteration).
+            self._timer = asyncio.get_running_loop().call_later(max(when_ns - now, 0) / 1e9, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._schedule()
 
     def _expire(self, now: int) -> int | None:
         """Apply timeouts; return the next deadline still ahead."""
@@ -257,14 +264,13 @@ class DynamicBatcher(Scheduler):
             self._stats.record_request(ok, done - p.item.enqueued_ns, job.picked_ns - p.item.enqueued_ns,
                                        input_ns, infer_ns, output_ns, reason=None if ok else "BACKEND")
         if self._policy.preserve_ordering:
-            self._finished[seq] = (batch, results, job)
+            self._finished[seq] = (batch, results)
             while self._deliver_seq in self._finished:
-                b, r, _ = self._finished.pop(self._deliver_seq)
-                self._deliver(b, r)
+                self._deliver(*self._finished.pop(self._deliver_seq))
                 self._deliver_seq += 1
         else:
             self._deliver(batch, results)
-        self._wake.set()
+        self._schedule()
 
     @staticmethod
     def _deliver(batch: list[_Pending], results: list[ExecuteResult]) -> None:
@@ -273,10 +279,10 @@ class DynamicBatcher(Scheduler):
                 p.future.set_result(result)
 
     async def stop(self) -> None:
-        """Run what is queued, then stop the loop and the instances."""
+        """Run what is queued, then stop the instances."""
         self._stopping = True
-        self._wake.set()
-        await self._task
+        self._schedule()
+        await self._drained.wait()
         if self._timer is not None:
             self._timer.cancel()
         await self._pool.stop()

@@ -202,3 +202,27 @@ def test_preserve_ordering_across_instances():
         assert done == sorted(done)
         await b.stop()
     run(main())
+
+
+class Rendezvous(Recorder):
+    """Both instances must be inside execute at the same time, or the barrier breaks."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.barrier = barrier
+
+    def execute(self, requests):
+        self.barrier.wait(5)
+        return super().execute(requests)
+
+
+def test_instances_execute_concurrently_from_one_queue():
+    async def main():
+        barrier = threading.Barrier(2)
+        a, b_ = Rendezvous(barrier), Rendezvous(barrier)
+        b, _ = await _batcher(BatchingPolicy(max_batch_size=1), a, b_)
+        results = await asyncio.gather(*(b.enqueue(request(float(i))) for i in range(4)))
+        assert len(results) == 4 and not barrier.broken
+        assert len(a.batches) == 2 and len(b_.batches) == 2
+        await b.stop()
+    run(main())
