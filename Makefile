@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PA_DIR ?= $(HOME)/opt/perf-analyzer
 PA_INSTALL := ../shared/tools/perf-analyzer/install.sh
 
-.PHONY: serve test lint unit perf-analyzer models protos clean
+.PHONY: serve test lint unit perf-analyzer models protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ perf-analyzer:
 	@if [ -x $(PA_DIR)/perf_analyzer ]; then :; \
 	elif [ -f $(PA_INSTALL) ]; then bash $(PA_INSTALL) $(PA_DIR) >/dev/null || echo "perf_analyzer install failed: its test will skip"; \
 	else echo "no $(PA_INSTALL): the perf_analyzer test will skip"; fi
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install -q 'torch==2.13.0'
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+model_repository/text_embedding/1/model.onnx: | $(VENV)/.bench-installed
+	HF_HUB_OFFLINE=1 $(PY) scripts/export_text_embedding.py
+
+bench: $(VENV)/.bench-installed perf-analyzer model_repository/text_embedding/1/model.onnx  ## side-by-side benchmarks -> bench/results/
+	$(PY) -m bench.run
 
 models: $(VENV)/.installed  ## rebuild the example ONNX models (byte-identical)
 	$(PY) scripts/build_example_models.py

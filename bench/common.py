@@ -1,0 +1,457 @@
+"""Shared pieces of the benchmark harness: where the tools are (installing them when missing),
+starting/stopping servers on free loopback ports, and run settings.
+
+Environment variables (all optional):
+  SHARED_TOOLS       folder with perf-analyzer/, triton-reference/, python-limit/   (default ../shared/tools)
+  PERF_ANALYZER      perf_analyzer executable                    (default $PERF_ANALYZER_DIR/perf_analyzer)
+  PERF_ANALYZER_DIR  perf_analyzer install dir                   (default ~/opt/perf-analyzer)
+  TRITON_DIR         reference Triton install dir                (default ~/opt/triton)
+  PYTHON_LIMIT_DIR   folder with bare_http.py / bare_grpc.py     (default $SHARED_TOOLS/python-limit)
+  PIER               command that starts Pier, split on spaces   (default: `pier` next to this Python,
+                                                                  else `python -m server`)
+A tool that is missing is installed with the install.sh in SHARED_TOOLS; if that fails or does not
+exist, the benchmark leaves that server out and says so in its report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+CACHE = BENCH / ".cache"
+LOGS = CACHE / "logs"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- settings
+
+@dataclass
+class Settings:
+    quick: bool = False
+    rounds: int = 1  # interleaved repetitions (the table reports the median over rounds)
+    window_ms: int = 3000  # perf_analyzer -p
+    stability: int = 15  # perf_analyzer -s (percent)
+    max_trials: int = 6  # perf_analyzer -r
+    loadgen_s: float = 5.0  # own load generator / direct ORT: measured seconds per point
+    warmup_s: float = 1.0
+
+    @classmethod
+    def make(cls, quick: bool, rounds: int | None = None) -> Settings:
+        if quick:
+            s = cls(quick=True, rounds=1, window_ms=1000, stability=25, max_trials=4, loadgen_s=2.0, warmup_s=0.5)
+        else:
+            s = cls()
+            s.rounds = 2
+        if rounds:
+            s.rounds = rounds
+        return s
+
+    def describe(self) -> str:
+        return (f"{'quick' if self.quick else 'full'} mode: {self.rounds} round(s); perf_analyzer -p {self.window_ms} "
+                f"-s {self.stability} -r {self.max_trials}; own load generator / direct ORT "
+                f"{self.loadgen_s:g} s per point after {self.warmup_s:g} s warm-up")
+
+
+# ---------------------------------------------------------------------------- tools
+
+def shared_tools() -> Path:
+    return Path(os.environ.get("SHARED_TOOLS", ROOT.parent / "shared" / "tools"))
+
+
+def _install(script: Path, target: Path, what: str) -> bool:
+    if not script.is_file():
+        log(f"{what}: not installed at {target} and no {script}")
+        return False
+    log(f"{what}: installing into {target} with {script} (once)")
+    try:
+        subprocess.run(["bash", str(script), str(target)], check=True, timeout=1800,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        log(f"{what}: install failed: {exc}")
+        return False
+    return True
+
+
+def perf_analyzer() -> Path | None:
+    """The perf_analyzer executable, installed with shared/tools/perf-analyzer/install.sh if missing."""
+    if os.environ.get("PERF_ANALYZER"):
+        p = Path(os.environ["PERF_ANALYZER"])
+        return p if p.exists() else None
+    d = Path(os.environ.get("PERF_ANALYZER_DIR", Path.home() / "opt" / "perf-analyzer"))
+    exe = d / "perf_analyzer"
+    if not exe.exists():
+        _install(shared_tools() / "perf-analyzer" / "install.sh", d, "perf_analyzer")
+    return exe if exe.exists() else None
+
+
+def triton_dir() -> Path | None:
+    """The reference Triton install dir, installed with shared/tools/triton-reference/install.sh if missing."""
+    d = Path(os.environ.get("TRITON_DIR", Path.home() / "opt" / "triton"))
+    def ok() -> bool:
+        return (d / "backends" / "python" / "triton_python_backend_stub").exists() and (d / "pyenv").is_dir()
+
+    if not ok():
+        _install(shared_tools() / "triton-reference" / "install.sh", d, "triton")
+    return d if ok() else None
+
+
+def python_limit_dir() -> Path | None:
+    d = Path(os.environ.get("PYTHON_LIMIT_DIR", shared_tools() / "python-limit"))
+    return d if (d / "bare_http.py").is_file() and (d / "bare_grpc.py").is_file() else None
+
+
+def pier_command() -> list[str]:
+    if os.environ.get("PIER"):
+        return os.environ["PIER"].split()
+    exe = Path(sys.executable).parent / "pier"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def git_describe() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + (" (+ uncommitted changes)" if dirty else "")
+    except Exception:
+        return "?"
+
+
+def machine() -> str:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} CPUs ({cpu}), Python {sys.version.split()[0]}"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+# ---------------------------------------------------------------------------- servers
+
+@dataclass
+class Server:
+    """A server under test. `http`/`grpc` are host:port strings (None when it lacks one)."""
+
+    name: str
+    http: str | None = None
+    grpc: str | None = None
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    stop_fn: Callable[[], None] | None = None
+    pid: int | None = None  # for servers started by a script (Triton): the server's own pid
+    notes: list[str] = field(default_factory=list)
+    start_fn: Callable[[], Server] | None = None
+    restarts: int = 0
+
+    def stop(self) -> None:
+        if self.stop_fn is not None:
+            fn, self.stop_fn = self.stop_fn, None
+            fn()
+            return
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+        return True
+
+    def exit_info(self) -> str:
+        if self.proc is not None and self.proc.poll() is not None:
+            return f"exit status {self.proc.returncode}"
+        return "gone"
+
+    def restart(self) -> None:
+        """Start a fresh copy in place of a server that died (the same object keeps being used)."""
+        if self.start_fn is None:
+            raise RuntimeError(f"{self.name} cannot be restarted")
+        with contextlib.suppress(Exception):
+            self.stop()
+        new = self.start_fn()
+        self.http, self.grpc, self.proc, self.log_path = new.http, new.grpc, new.proc, new.log_path
+        self.stop_fn, self.pid = new.stop_fn, new.pid
+        self.restarts += 1
+
+    def log_tail(self, n: int = 20) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+def _wait_http_ready(server: Server, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"http://{server.http}{path}"
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(f"{server.name} exited (rc {server.proc.returncode}):\n{server.log_tail()}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{server.name} not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def _wait_grpc_ready(server: Server, timeout: float) -> None:
+    import tritonclient.grpc as grpcclient
+
+    deadline = time.monotonic() + timeout
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        while time.monotonic() < deadline:
+            if not server.alive():
+                raise RuntimeError(f"{server.name} exited (rc {server.proc.returncode}):\n{server.log_tail()}")
+            with contextlib.suppress(Exception):
+                if client.is_server_ready(client_timeout=2):
+                    return
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise RuntimeError(f"{server.name} not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def _popen(cmd: list[str], log_name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS / f"{log_name}.log"
+    with open(log_path, "ab") as fh:  # appended: a restarted server keeps its earlier log
+        fh.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=ROOT, env={**os.environ, **(env or {})})
+    return proc, log_path
+
+
+def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120) -> Server:
+    http, grpc_, metrics = free_port(), free_port(), free_port()
+    cmd = [*pier_command(), "serve", "--model-repository", str(repo),
+           "--http-port", str(http), "--grpc-port", str(grpc_), "--metrics-port", str(metrics),
+           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1", *extra]
+    proc, log_path = _popen(cmd, name.replace(" ", "_"), env={"PYTHONPATH": str(ROOT)})
+    server = Server(name, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}", proc=proc, log_path=log_path)
+    try:
+        _wait_http_ready(server, "/v2/health/ready", timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_bare_http(timeout: float = 30) -> Server:
+    d = python_limit_dir()
+    if d is None:
+        raise RuntimeError("no bare_http.py (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
+    port = free_port()
+    proc, log_path = _popen([sys.executable, str(d / "bare_http.py"), str(port), "--uvloop"], "bare_http")
+    server = Server("bare aiohttp", http=f"127.0.0.1:{port}", proc=proc, log_path=log_path)
+    try:
+        _wait_http_ready(server, "/v2/health/ready", timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_bare_grpc(timeout: float = 30) -> Server:
+    d = python_limit_dir()
+    if d is None:
+        raise RuntimeError("no bare_grpc.py (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
+    port = free_port()
+    proc, log_path = _popen([sys.executable, str(d / "bare_grpc.py"), str(port), "--uvloop"], "bare_grpc")
+    server = Server("bare grpc.aio", grpc=f"127.0.0.1:{port}", proc=proc, log_path=log_path)
+    try:
+        _wait_grpc_ready(server, timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_triton(repo: Path, timeout: float = 180) -> Server:
+    """The reference tritonserver via shared/tools/triton-reference/start.sh; stopped with stop.sh.
+
+    start.sh/stop.sh keep server.pid and server.log in the install dir they are given, so an install
+    shared with other users (tests, another benchmark) could have them stop each other's server. The
+    harness therefore hands them a private run dir whose venv/, pyenv/ and backends/ are links to the
+    real install: its pid file and log are ours alone, and stop.sh can only stop our tritonserver."""
+    d = triton_dir()
+    scripts = shared_tools() / "triton-reference"
+    if d is None or not (scripts / "start.sh").is_file():
+        raise RuntimeError(f"reference Triton unavailable (TRITON_DIR install or {scripts}/start.sh missing)")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="triton-run-", dir=CACHE))
+    for name in ("venv", "pyenv", "backends"):
+        (run_dir / name).symlink_to(d / name, target_is_directory=True)
+    http, grpc_, metrics = free_port(), free_port(), free_port()
+    stop_sh = scripts / "stop.sh"
+
+    def stop() -> None:
+        try:
+            if (run_dir / "server.pid").exists():
+                subprocess.run(["bash", str(stop_sh), str(run_dir)], timeout=60, capture_output=True)
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.copy(run_dir / "server.log", LOGS / "triton.log")
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    try:
+        subprocess.run(["bash", str(scripts / "start.sh"), str(run_dir), str(repo), str(http), str(grpc_),
+                        str(metrics)], check=True, timeout=timeout, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        stop()
+        raise RuntimeError(f"triton start.sh failed: {exc.stderr[-2000:]}") from exc
+    except BaseException:
+        stop()
+        raise
+    server = Server("Triton 2.51", http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}",
+                    log_path=run_dir / "server.log", stop_fn=stop)
+    with contextlib.suppress(OSError, ValueError):
+        server.pid = int((run_dir / "server.pid").read_text().strip())
+    try:  # start.sh waits for live; the model must be ready too
+        _wait_http_ready(server, "/v2/health/ready", timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+class Servers(contextlib.ExitStack):
+    """Starts servers and guarantees they are stopped (also on errors and Ctrl-C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missing: dict[str, str] = {}
+        self._old_term = None
+
+    def __enter__(self) -> Servers:
+        super().__enter__()
+        # Turn SIGTERM into an exception so `finally`/ExitStack still stop the servers.
+        with contextlib.suppress(ValueError):
+            self._old_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._old_term is not None:
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGTERM, self._old_term)
+
+    def add(self, label: str, start: Callable[[], Server], required: bool = False) -> Server | None:
+        log(f"starting {label}")
+        t0 = time.monotonic()
+        try:
+            server = start()
+        except Exception as exc:
+            if required:
+                raise
+            log(f"{label}: left out: {exc}")
+            self.missing[label] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return None
+        server.start_fn = start
+        self.callback(_stop_logged, server)
+        log(f"{label} ready in {time.monotonic() - t0:.1f} s (http {server.http}, grpc {server.grpc})")
+        return server
+
+
+MAX_RESTARTS = 3
+
+
+def measure(server: Server, fn: Callable[[], object], label: str, notes: list[str]):
+    """Run one measurement `fn()` against `server`. A server found dead (before, or after a failed
+    measurement: something else on the machine may have killed it) is restarted, at most
+    MAX_RESTARTS times per server, and the point measured again once; every such event and every
+    failure goes to `notes`. Returns fn()'s result, or None when the point could not be measured."""
+    for attempt in (1, 2):
+        if not server.alive():
+            if server.restarts >= MAX_RESTARTS:
+                notes.append(f"{label}: not measured, {server.name} is down ({server.exit_info()}) and was "
+                             f"already restarted {server.restarts} times")
+                return None
+            msg = f"{server.name} had exited ({server.exit_info()}, not stopped by the harness); restarted it"
+            log(f"{label}: {msg}")
+            notes.append(f"{label}: {msg}")
+            try:
+                server.restart()
+            except Exception as exc:
+                notes.append(f"{label}: restart failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+                return None
+        try:
+            return fn()
+        except Exception as exc:
+            text = str(exc)
+            log(text)
+            if attempt == 1 and not server.alive():
+                continue  # it died under us: restart and measure again
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            notes.append(" ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else text)
+            return None
+    return None
+
+
+def _stop_logged(server: Server) -> None:
+    log(f"stopping {server.name}")
+    try:
+        server.stop()
+    except Exception as exc:  # keep stopping the others
+        log(f"stopping {server.name} failed: {exc}")
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def temp_dir(prefix: str) -> Iterator[Path]:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=CACHE))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""(b) identity_fp32, batch 1, INPUT0 [16] FP32, perf_analyzer over HTTP (binary tensors) and gRPC at
+concurrency 1 and 8: Pier vs the reference Triton 2.51 (python-backend identity_fp32) vs the bare
+Python servers (bare_http.py / bare_grpc.py --uvloop). All servers run at once (idle while the
+others are measured); every (protocol, concurrency) point is measured for all of them back to back,
+and the order rotates between rounds."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from bench import report
+from bench.common import (
+    ROOT,
+    Servers,
+    Settings,
+    log,
+    measure,
+    perf_analyzer,
+    shared_tools,
+    start_bare_grpc,
+    start_bare_http,
+    start_pier,
+    start_triton,
+    temp_dir,
+)
+from bench.measure import perf_analyzer_point
+
+PIER, TRITON, BARE_HTTP, BARE_GRPC = "Pier", "Triton 2.51", "bare aiohttp", "bare grpc.aio"
+CONCURRENCY = [1, 8]
+MODEL = "identity_fp32"
+
+
+def run(settings: Settings) -> Path:
+    pa = perf_analyzer()
+    if pa is None:
+        raise RuntimeError("perf_analyzer not available (set PERF_ANALYZER or PERF_ANALYZER_DIR)")
+    started = report.started_info()
+    http = report.Group("HTTP (Triton binary tensors), batch 1, INPUT0 [16] FP32", "concurrency", "infer/s",
+                        [PIER, TRITON, BARE_HTTP], CONCURRENCY, refs=[TRITON, BARE_HTTP])
+    grpc = report.Group("gRPC, batch 1, INPUT0 [16] FP32", "concurrency", "infer/s",
+                        [PIER, TRITON, BARE_GRPC], CONCURRENCY, refs=[TRITON, BARE_GRPC])
+    notes: list[str] = []
+    with Servers() as servers, temp_dir("identity-") as tmp:
+        pier_repo, triton_repo = tmp / "pier", tmp / "triton"
+        shutil.copytree(ROOT / "model_repository" / MODEL, pier_repo / MODEL)
+        triton_src = shared_tools() / "triton-reference" / "models" / MODEL
+        if triton_src.is_dir():  # a private copy: the python backend writes __pycache__ next to model.py
+            shutil.copytree(triton_src, triton_repo / MODEL)
+        up = {
+            PIER: servers.add(PIER, lambda: start_pier("pier_identity", pier_repo), required=True),
+            TRITON: servers.add(TRITON, lambda: start_triton(triton_repo)),
+            BARE_HTTP: servers.add(BARE_HTTP, start_bare_http),
+            BARE_GRPC: servers.add(BARE_GRPC, start_bare_grpc),
+        }
+        for label, why in servers.missing.items():
+            notes.append(f"{label} left out: {why}")
+        for rnd in range(settings.rounds):
+            for group, proto in ((http, "http"), (grpc, "grpc")):
+                names = [s for s in group.servers if up.get(s) is not None]
+                names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order per round
+                for c in CONCURRENCY:
+                    for name in names:
+                        srv = up[name]
+                        label = f"round {rnd + 1} {proto} c={c} {name}"
+                        pt = measure(srv, lambda s=srv, p=proto, c=c, lb=label: perf_analyzer_point(
+                            pa, settings, MODEL, s.http if p == "http" else s.grpc, p, c,
+                            ["--shape", "INPUT0:16"], lb), label, notes)
+                        if pt is None:
+                            continue
+                        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.2f} ms "
+                            f"p99 {pt.p99_us / 1000:.2f} ms{'' if pt.stable else ' (unstable)'}")
+                        group.add(name, c, pt)
+
+    def ratio(g: report.Group, a: str, b: str, c: int) -> float | None:
+        x, y = g.tput(a, c), g.tput(b, c)
+        return x / y if x and y else None
+
+    targets = [
+        report.Target("HTTP c=1: Pier ≥ 1.0× Triton", ratio(http, PIER, TRITON, 1), 1.0),
+        report.Target("HTTP c=8: Pier ≥ 1.0× Triton", ratio(http, PIER, TRITON, 8), 1.0),
+        report.Target("gRPC c=1: Pier ≥ 1.0× Triton", ratio(grpc, PIER, TRITON, 1), 1.0),
+        report.Target("gRPC c=8: Pier ≥ 0.90× bare grpc.aio", ratio(grpc, PIER, BARE_GRPC, 8), 0.9),
+    ]
+    intro = [
+        "perf_analyzer 2.51 (sync, batch 1, random FP32 data, `--shape INPUT0:16`) on the same 2-core "
+        "machine as the servers. Pier serves the example `model_repository/identity_fp32` "
+        "(ONNX Identity, `dynamic_batching { max_queue_delay_microseconds: 100 }`); Triton serves its "
+        "python-backend `identity_fp32` (same config); the bare servers "
+        "(`shared/tools/python-limit`, `--uvloop`) echo the input with no validation, queue, batching "
+        "or statistics: the Python ceiling.",
+    ]
+    return report.write("identity_fp32", "identity_fp32: Pier vs Triton 2.51 vs bare Python servers", settings,
+                        [http, grpc], targets, intro, notes, started)

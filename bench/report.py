@@ -1,0 +1,176 @@
+"""Markdown table + PNG plot + raw JSON for one benchmark run, written to bench/results/."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import RESULTS, git_describe, loadavg, log, machine
+from bench.measure import Point, fmt_ms, fmt_rate, median_point
+
+
+@dataclass
+class Group:
+    """One table: rows are (x, server); `data[(server, x)]` holds one Point per round."""
+
+    title: str
+    x_name: str  # e.g. "concurrency"
+    unit: str  # e.g. "infer/s"
+    servers: list[str]
+    xs: list[int]
+    data: dict[tuple[str, int], list[Point]] = field(default_factory=dict)
+    subject: str = "Pier"  # ratios are computed for rows of servers starting with this name
+    refs: list[str] = field(default_factory=list)  # servers to compare against (one ratio column each)
+    x_labels: dict[str, str] = field(default_factory=dict)  # server -> how its x reads ("batch", ...)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, server: str, x: int, point: Point | None) -> None:
+        if point is not None:
+            self.data.setdefault((server, x), []).append(point)
+
+    def point(self, server: str, x: int) -> Point | None:
+        return median_point(self.data.get((server, x), []))
+
+    def tput(self, server: str, x: int) -> float | None:
+        p = self.point(server, x)
+        return p.throughput if p else None
+
+
+@dataclass
+class Target:
+    text: str  # what the target says
+    value: float | None  # measured ratio
+    threshold: float
+
+    @property
+    def verdict(self) -> str:
+        if self.value is None:
+            return "n/a (not measured)"
+        return "MET" if self.value >= self.threshold else "MISSED"
+
+
+def _table(g: Group) -> list[str]:
+    ratio_heads = [f"vs {r}" for r in g.refs]
+    head = [g.x_name, "server", g.unit, "p50 ms", "p90 ms", "p99 ms", *ratio_heads]
+    any_rounds = any(len(v) > 1 for v in g.data.values())
+    if any_rounds:
+        head.append("rounds")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in g.xs:
+        for s in g.servers:
+            p = g.point(s, x)
+            xl = f"{g.x_labels.get(s, '')} {x}".strip()
+            if p is None:
+                continue
+            mark = "" if p.stable else " ~"
+            if p.errors:
+                mark += f" ({p.errors} errors)"
+            cells = [xl, s, fmt_rate(p.throughput) + mark, fmt_ms(p.p50_us), fmt_ms(p.p90_us), fmt_ms(p.p99_us)]
+            for r in g.refs:
+                ref = g.tput(r, x)
+                cells.append(f"{p.throughput / ref:.2f}×" if (ref and s != r and s.startswith(g.subject)) else "")
+            if any_rounds:
+                rounds = p.extra.get("rounds", [])
+                cells.append(" / ".join(fmt_rate(v) for v in rounds) if len(rounds) > 1 else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _plot(path: Path, title: str, groups: list[Group]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no PNG (pip install matplotlib)")
+        return False
+    n = len(groups)
+    fig, axes = plt.subplots(2, n, figsize=(max(6.5, 5.5 * n), 7.5), squeeze=False)
+    for col, g in enumerate(groups):
+        servers = [s for s in g.servers if any((s, x) in g.data for x in g.xs)]
+        width = 0.8 / max(1, len(servers))
+        for row, (attr, ylabel) in enumerate(((None, g.unit), ("p99_us", "p99 latency (ms)"))):
+            ax = axes[row][col]
+            for i, s in enumerate(servers):
+                vals = []
+                for x in g.xs:
+                    p = g.point(s, x)
+                    vals.append(0 if p is None else (p.throughput if attr is None else getattr(p, attr) / 1000))
+                pos = [j + (i - (len(servers) - 1) / 2) * width for j in range(len(g.xs))]
+                bars = ax.bar(pos, vals, width, label=s)
+                if attr is None:
+                    ax.bar_label(bars, labels=[fmt_rate(v) if v else "" for v in vals], fontsize=7, rotation=90,
+                                 padding=2)
+            ax.set_xticks(range(len(g.xs)), [str(x) for x in g.xs])
+            ax.set_xlabel(g.x_name)
+            ax.set_ylabel(ylabel)
+            if attr is None:
+                ax.set_title(g.title, fontsize=10)
+                ax.margins(y=0.25)
+                ax.legend(fontsize=7)
+            else:
+                from matplotlib.ticker import FuncFormatter
+
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(name: str, title: str, settings, groups: list[Group], targets: list[Target], intro: list[str],
+          notes: list[str], started: dict, extra_raw: dict | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = name + ("-quick" if settings.quick else "")
+    md, png, raw = RESULTS / f"{stem}.md", RESULTS / f"{stem}.png", RESULTS / f"{stem}.json"
+    has_png = _plot(png, title, groups)
+    lines = [f"# {title}", ""]
+    lines += intro + [""]
+    lines += [
+        f"- run: {started['date']} – {time.strftime('%H:%M:%S')}, {settings.describe()}",
+        f"- git: {git_describe()}; machine: {machine()}; load average at start {started['load']}, "
+        f"at end {loadavg()}",
+        "- figures are from ONE run, servers measured back to back (interleaved when rounds > 1); "
+        "compare only within this file. `~` = perf_analyzer could not stabilise at the configured "
+        "threshold and the point was re-measured with a looser one (50 %, then none); `rounds` lists "
+        "each round's throughput, the table shows the median round.",
+        "",
+    ]
+    if targets:
+        lines += ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+        for t in targets:
+            v = "—" if t.value is None else f"{t.value:.2f}×"
+            lines.append(f"| {t.text} | {v} | {t.verdict} |")
+        lines.append("")
+    for g in groups:
+        lines += [f"## {g.title}", ""] + _table(g) + [""]
+        lines += [f"- {n}" for n in g.notes] + ([""] if g.notes else [])
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    if has_png:
+        lines += [f"![{title}]({png.name})", ""]
+    md.write_text("\n".join(lines))
+    payload = {
+        "title": title, "settings": settings.__dict__, "started": started, "git": git_describe(),
+        "machine": machine(),
+        "groups": [{"title": g.title, "unit": g.unit, "x_name": g.x_name,
+                    "points": [{"server": s, "x": x, "rounds": [p.to_dict() for p in ps]}
+                               for (s, x), ps in g.data.items()]} for g in groups],
+        "targets": [{"text": t.text, "value": t.value, "threshold": t.threshold, "verdict": t.verdict}
+                    for t in targets],
+        "notes": notes, **(extra_raw or {}),
+    }
+    raw.write_text(json.dumps(payload, indent=1))
+    log(f"wrote {md.relative_to(RESULTS.parent.parent)}" + (f", {png.name}" if has_png else "") + f", {raw.name}")
+    return md
+
+
+def started_info() -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}

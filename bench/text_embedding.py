@@ -1,0 +1,192 @@
+"""(a) text_embedding (all-MiniLM-L6-v2, fixed 32-token sentences): Pier with dynamic batching vs
+Pier without (the same model, its dynamic_batching section removed) vs onnxruntime called directly in
+this process at batch 1, 8, 32 (the limit). Pier is driven by perf_analyzer over gRPC with real
+token ids (`--input-data` JSON), one sentence per request, at concurrency 1, 8, 32; everything is
+reported in sequences/s. Points are interleaved: for each level, direct ORT, then both Pier models."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from bench import report
+from bench.common import ROOT, Servers, Settings, log, measure, perf_analyzer, start_pier, temp_dir
+from bench.measure import perf_analyzer_point, timed_loop
+
+MODEL = "text_embedding"
+NOBATCH = "text_embedding_nobatch"
+SRC = ROOT / "model_repository" / MODEL
+LEVELS = [1, 8, 32]
+SEQ_LEN = 32
+BATCHED, UNBATCHED, DIRECT = "Pier (dynamic batching)", "Pier (no batching)", "onnxruntime direct"
+
+
+def ensure_model() -> Path:
+    """The exported ONNX file, built with scripts/export_text_embedding.py when missing."""
+    path = SRC / "1" / "model.onnx"
+    if not path.exists():
+        log(f"{path.relative_to(ROOT)} missing: exporting it (scripts/export_text_embedding.py)")
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        from scripts.export_text_embedding import export
+
+        export(ROOT / "model_repository")
+    return path
+
+
+def strip_dynamic_batching(config: str) -> str:
+    """Remove the `dynamic_batching { ... }` block (nested braces allowed) from a config.pbtxt."""
+    m = re.search(r"^\s*dynamic_batching\s*:?\s*\{", config, flags=re.M)
+    if not m:
+        return config
+    depth, i = 0, m.end() - 1
+    while i < len(config):
+        depth += {"{": 1, "}": -1}.get(config[i], 0)
+        i += 1
+        if depth == 0:
+            break
+    return config[: m.start()] + "\n" + config[i:].lstrip("\n")
+
+
+def _queue_delay() -> str:
+    m = re.search(r"max_queue_delay_microseconds\s*:\s*(\d+)", (SRC / "config.pbtxt").read_text())
+    return m.group(1) if m else "0"
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def build_repo(repo: Path, model_file: Path) -> str:
+    config = (SRC / "config.pbtxt").read_text()
+    if "dynamic_batching" not in config:
+        raise RuntimeError(f"{SRC / 'config.pbtxt'} has no dynamic_batching section")
+    (repo / MODEL).mkdir(parents=True)
+    (repo / MODEL / "config.pbtxt").write_text(config)
+    _link(model_file, repo / MODEL / "1" / "model.onnx")
+    nobatch = strip_dynamic_batching(config).replace(f'name: "{MODEL}"', f'name: "{NOBATCH}"')
+    if "dynamic_batching" in nobatch or NOBATCH not in nobatch:
+        raise RuntimeError("could not derive the no-batching config")
+    (repo / NOBATCH).mkdir(parents=True)
+    (repo / NOBATCH / "config.pbtxt").write_text(nobatch)
+    _link(model_file, repo / NOBATCH / "1" / "model.onnx")
+    return nobatch
+
+
+def write_input_data(path: Path, ids: np.ndarray, mask: np.ndarray) -> None:
+    rows = [{"input_ids": {"content": i.tolist(), "shape": [SEQ_LEN]},
+             "attention_mask": {"content": m.tolist(), "shape": [SEQ_LEN]}} for i, m in zip(ids, mask)]
+    path.write_text(json.dumps({"data": rows}))
+
+
+def check_server(url: str, model: str, ids: np.ndarray, mask: np.ndarray, expected: np.ndarray) -> float:
+    """One gRPC request per row; returns the lowest cosine similarity with direct onnxruntime."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        worst = 1.0
+        for row in range(len(ids)):
+            inputs = [grpcclient.InferInput("input_ids", [1, SEQ_LEN], "INT64"),
+                      grpcclient.InferInput("attention_mask", [1, SEQ_LEN], "INT64")]
+            inputs[0].set_data_from_numpy(ids[row : row + 1])
+            inputs[1].set_data_from_numpy(mask[row : row + 1])
+            got = client.infer(model, inputs, client_timeout=60).as_numpy("embedding")[0]
+            ref = expected[row]
+            worst = min(worst, float(got @ ref / (np.linalg.norm(got) * np.linalg.norm(ref))))
+        return worst
+    finally:
+        client.close()
+
+
+def run(settings: Settings) -> Path:
+    import onnxruntime as ort
+
+    from bench.tokenization import Tokenizer, fixed_length_inputs
+
+    pa = perf_analyzer()
+    if pa is None:
+        raise RuntimeError("perf_analyzer not available (set PERF_ANALYZER or PERF_ANALYZER_DIR)")
+    model_file = ensure_model()
+    started = report.started_info()
+    tok = Tokenizer(max_length=SEQ_LEN)
+    ids, mask = fixed_length_inputs(max(LEVELS) * 2, SEQ_LEN, tok)
+    group = report.Group(f"text_embedding, {SEQ_LEN}-token sentences: sequences/s", "concurrency / batch",
+                         "seq/s", [BATCHED, UNBATCHED, DIRECT], LEVELS, refs=[DIRECT, UNBATCHED],
+                         x_labels={BATCHED: "c", UNBATCHED: "c", DIRECT: "batch"})
+    notes: list[str] = []
+    # Same session options as Pier's onnxruntime backend (defaults: no thread parameters in the config).
+    sess = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    expected = sess.run(["embedding"], {"input_ids": ids[:8], "attention_mask": mask[:8]})[0]
+    window_ms = settings.window_ms * 2  # a request takes milliseconds here: longer windows
+    with Servers() as servers, temp_dir("embedding-") as tmp:
+        build_repo(tmp / "repo", model_file)
+        data = tmp / "input_data.json"
+        write_input_data(data, ids, mask)
+        pier = servers.add("Pier", lambda: start_pier("pier_text_embedding", tmp / "repo"), required=True)
+        for model in (MODEL, NOBATCH):
+            cos = check_server(pier.grpc, model, ids[:8], mask[:8], expected)
+            notes.append(f"check: Pier `{model}` over gRPC vs direct onnxruntime, 8 sentences: min cosine {cos:.6f}")
+            if cos < 0.999:
+                raise RuntimeError(f"Pier's {model} answers differ from onnxruntime (cosine {cos})")
+        for rnd in range(settings.rounds):
+            for level in LEVELS:
+                feed = {"input_ids": ids[:level], "attention_mask": mask[:level]}
+                pt = timed_loop(lambda f=feed: sess.run(["embedding"], f), settings.loadgen_s,
+                                max(1.0, settings.warmup_s), max_calls=100_000, items_per_call=level)
+                log(f"round {rnd + 1} direct ORT batch {level}: {pt.throughput:,.1f} seq/s "
+                    f"p50 {pt.p50_us / 1000:.1f} ms/call")
+                group.add(DIRECT, level, pt)
+                order = [(BATCHED, MODEL), (UNBATCHED, NOBATCH)]
+                if rnd % 2:
+                    order.reverse()
+                for name, model in order:
+                    label = f"round {rnd + 1} c={level} {name}"
+                    pt = measure(pier, lambda m=model, c=level, lb=label: perf_analyzer_point(
+                        pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb,
+                        window_ms=window_ms), label, notes)
+                    if pt is None:
+                        continue
+                    log(f"{label}: {pt.throughput:,.1f} seq/s p50 {pt.p50_us / 1000:.1f} ms "
+                        f"p99 {pt.p99_us / 1000:.1f} ms{'' if pt.stable else ' (unstable)'}")
+                    group.add(name, level, pt)
+
+    def ratio(a: str, x: int, b: str, y: int) -> float | None:
+        p, q = group.tput(a, x), group.tput(b, y)
+        return p / q if p and q else None
+
+    targets = [
+        report.Target("Pier with batching at c=32 ≥ 0.85× direct ORT at batch 32",
+                      ratio(BATCHED, 32, DIRECT, 32), 0.85),
+        report.Target("Pier without batching at c=1 ≥ 0.85× direct ORT at batch 1",
+                      ratio(UNBATCHED, 1, DIRECT, 1), 0.85),
+    ]
+    group.notes += [
+        "Pier rows: perf_analyzer over gRPC, sync, one 32-token sentence per request (batch 1), real token ids "
+        f"from `bench/tokenization.py` (`--input-data`, {len(ids)} rows); seq/s = infer/s; latency per request.",
+        "onnxruntime direct rows: `InferenceSession.run` back to back in the harness process, default session "
+        "options (as Pier's backend uses them), one call = one batch of that many sentences; latency per call.",
+        f"{BATCHED}: `{MODEL}` as in model_repository/{MODEL}/config.pbtxt; {UNBATCHED}: the same model with its "
+        "`dynamic_batching` section removed, served by the same Pier process.",
+        f"Reading the c=1 rows: a dynamic batcher that honours `max_queue_delay_microseconds` ({_queue_delay()} µs "
+        "here) can hold a lone request up to that long waiting for companions, so at c=1 the batched model is "
+        "expected to trail the unbatched one by about that much latency.",
+        "Direct onnxruntime is the ceiling only in expectation: on this shared, noisy machine a few seconds' "
+        "window can put a server row above it (compare the `rounds` column).",
+    ]
+    intro = [
+        "all-MiniLM-L6-v2 exported to ONNX by `scripts/export_text_embedding.py` (pooling + L2 norm in the "
+        "graph). The limit is onnxruntime itself called in-process at the batch size the server could form.",
+    ]
+    return report.write("text_embedding", "text_embedding: Pier (batching / no batching) vs direct onnxruntime",
+                        settings, [group], targets, intro, notes, started)
