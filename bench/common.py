@@ -282,34 +282,32 @@ def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120) -> Serv
     return server
 
 
-def start_bare_http(timeout: float = 30) -> Server:
+def _start_bare(script: str, name: str, protocol: str, timeout: float) -> Server:
+    """One of the python-limit servers, on a free port, ready to answer."""
     d = python_limit_dir()
     if d is None:
-        raise RuntimeError("no bare_http.py (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
+        raise RuntimeError(f"no {script} (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
     port = free_port()
-    proc, log_path = _popen([sys.executable, str(d / "bare_http.py"), str(port), "--uvloop"], "bare_http")
-    server = Server("bare aiohttp", http=f"127.0.0.1:{port}", proc=proc, log_path=log_path)
+    proc, log_path = _popen([sys.executable, str(d / script), str(port), "--uvloop"], script.removesuffix(".py"))
+    address = {protocol: f"127.0.0.1:{port}"}
+    server = Server(name, proc=proc, log_path=log_path, **address)
     try:
-        _wait_http_ready(server, "/v2/health/ready", timeout)
+        if protocol == "http":
+            _wait_http_ready(server, "/v2/health/ready", timeout)
+        else:
+            _wait_grpc_ready(server, timeout)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def start_bare_http(timeout: float = 30) -> Server:
+    return _start_bare("bare_http.py", "bare aiohttp", "http", timeout)
 
 
 def start_bare_grpc(timeout: float = 30) -> Server:
-    d = python_limit_dir()
-    if d is None:
-        raise RuntimeError("no bare_grpc.py (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
-    port = free_port()
-    proc, log_path = _popen([sys.executable, str(d / "bare_grpc.py"), str(port), "--uvloop"], "bare_grpc")
-    server = Server("bare grpc.aio", grpc=f"127.0.0.1:{port}", proc=proc, log_path=log_path)
-    try:
-        _wait_grpc_ready(server, timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _start_bare("bare_grpc.py", "bare grpc.aio", "grpc", timeout)
 
 
 def start_triton(repo: Path, timeout: float = 180) -> Server:
