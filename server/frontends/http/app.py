@@ -16,7 +16,10 @@ from server.frontends.http.errors import error_response, from_error
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_EMPTY_OK = web.Response(status=200)
+# Smaller answers go out uncompressed even when the client accepts gzip (HTTP allows it): most
+# clients (requests, aiohttp) always send Accept-Encoding, and compressing a few hundred bytes
+# costs more time than it saves.
+COMPRESS_MIN_BYTES = 1024
 
 
 def _json(doc: object) -> web.Response:
@@ -97,7 +100,7 @@ class HttpHandlers:
                 content_type="application/octet-stream",
                 headers={codec.HEADER_LENGTH: str(header_len)},
             )
-        if "Accept-Encoding" in request.headers:
+        if len(payload) >= COMPRESS_MIN_BYTES and "Accept-Encoding" in request.headers:
             reply.enable_compression()  # gzip or deflate, as the client accepts
         return reply
 
