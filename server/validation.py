@@ -3,6 +3,8 @@ Triton's wording, and map tensors between API shapes and framework shapes (`resh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from server.errors import invalid_arg
 from server.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
@@ -58,8 +60,8 @@ def _prefix(request: InferenceRequest) -> str:
     return f"[request id: {request.id or '<id_unknown>'}] "
 
 
-def _fmt(shape: object) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"  # type: ignore[union-attr]
+def _fmt(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def _names(names: list[str]) -> str:

@@ -48,12 +48,12 @@ def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir:
                     )
                 for gpu in gpus:
                     for i in range(group.count):
-                        inst = InstanceContext(f"{group.name}_{i}_gpu{gpu}", "KIND_GPU", gpu)
-                        instances.append(backend.create_instance(ctx, inst))
+                        where = InstanceContext(f"{group.name}_{i}_gpu{gpu}", "KIND_GPU", gpu)
+                        instances.append(backend.create_instance(ctx, where))
             else:
                 for i in range(group.count):
-                    inst = InstanceContext(f"{group.name}_{i}", "KIND_CPU", None)
-                    instances.append(backend.create_instance(ctx, inst))
+                    where = InstanceContext(f"{group.name}_{i}", "KIND_CPU", None)
+                    instances.append(backend.create_instance(ctx, where))
     except BaseException:
         for inst in instances:
             inst.close()

@@ -16,7 +16,7 @@ from server.lifecycle.state import ModelState
 from server.protocol import model_config_pb2 as mc
 from server.repository import model_config, source
 from server.repository.version_policy import select_versions
-from server.types import ModelSignature
+from server.types import ModelSignature, ModelSpec
 
 log = logging.getLogger("pier.repository")
 
@@ -112,7 +112,7 @@ class RepositoryManager:
         return model_config.complete_config(raw, src.name, dirs, str(path), self._auto_complete, _describe)
 
     async def _load_version(self, record: ModelRecord, entry: backend_registry.BackendEntry,
-                            spec: object, version: int) -> None:
+                            spec: ModelSpec, version: int) -> None:
         loop = asyncio.get_running_loop()
         vr = record.versions[version]
         try:
@@ -125,7 +125,7 @@ class RepositoryManager:
         except Exception as exc:  # a backend failing to load must not take the server down
             vr.state, vr.reason = ModelState.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             return
-        vr.loaded = build_loaded_model(spec, record.config, version, instances)  # type: ignore[arg-type]
+        vr.loaded = build_loaded_model(spec, record.config, version, instances)
         vr.state, vr.reason = ModelState.READY, ""
         log.info("loaded '%s' version %d", record.name, version)
 
