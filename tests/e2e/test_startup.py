@@ -101,3 +101,31 @@ def test_explicit_mode_loads_only_named_models(tmp_path):
         assert {"name": "simple", "version": "1", "state": "READY"} in index
     finally:
         assert server.stop() == 0
+
+
+def test_metrics_config_flags(tmp_path):
+    server = start_pier([EXAMPLE_REPO], "--metrics-config=counter_latencies=false", log_path=tmp_path / "log")
+    try:
+        text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).text
+        assert 'nv_inference_count{model="simple",version="1"} 0' in text
+        assert "nv_inference_request_duration_us" not in text
+        assert "nv_inference_first_response_histogram_ms" not in text  # histograms are opt-in
+        assert "nv_cpu_memory_total_bytes" in text and "process_resident_memory_bytes" in text
+    finally:
+        assert server.stop() == 0
+    proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+                           "--metrics-config=summary_latencies=true"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert proc.returncode == 2 and "unsupported --metrics-config" in proc.stderr
+
+
+def test_allow_flags_turn_endpoints_off(tmp_path):
+    server = start_pier([EXAMPLE_REPO], "--allow-grpc=false", "--allow-metrics=false", log_path=tmp_path / "log")
+    try:
+        import socket
+
+        for port in (server.grpc_port, server.metrics_port):
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens
+    finally:
+        assert server.stop() == 0
