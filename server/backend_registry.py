@@ -17,7 +17,6 @@ class BackendEntry:
     platform: str  # canonical platform string ("" when the backend has none)
     module: str  # module with a `BACKEND` class attribute
     default_model_filename: str
-    extra_names: tuple[str, ...] = ()
 
 
 _ENTRIES: tuple[BackendEntry, ...] = (
@@ -26,7 +25,7 @@ _ENTRIES: tuple[BackendEntry, ...] = (
 
 _BY_NAME: dict[str, BackendEntry] = {}
 for _e in _ENTRIES:
-    for _n in (_e.backend, _e.platform, *_e.extra_names):
+    for _n in (_e.backend, _e.platform):
         if _n:
             _BY_NAME[_n] = _e
 

@@ -32,14 +32,6 @@ _NUMPY: dict[str, np.dtype] = {
     "BYTES": np.dtype(np.object_),
 }
 
-DATATYPES: tuple[str, ...] = tuple(_NUMPY)
-
-_FROM_NUMPY: dict[np.dtype, str] = {
-    dt: name for name, dt in _NUMPY.items() if name not in ("BF16",)
-}
-_FROM_NUMPY[np.dtype(np.bytes_)] = "BYTES"
-_FROM_NUMPY[np.dtype(np.str_)] = "BYTES"
-
 # Datatypes JSON cannot carry (Triton: "use binary data format").
 JSON_UNSUPPORTED = frozenset({"FP16", "BF16"})
 
@@ -56,17 +48,6 @@ def numpy_dtype(datatype: str) -> np.dtype:
         return _NUMPY[datatype]
     except KeyError:
         raise invalid_arg(f"invalid datatype '{datatype}'") from None
-
-
-def datatype_of(dtype: np.dtype) -> str:
-    """KServe datatype for a numpy dtype (BYTES for object/bytes/str arrays)."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in ("S", "U", "O"):
-        return "BYTES"
-    name = _FROM_NUMPY.get(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
-    if name is None:
-        raise invalid_arg(f"numpy dtype {dtype} has no KServe datatype")
-    return name
 
 
 def element_size(datatype: str) -> int | None:

@@ -121,16 +121,3 @@ class ModelSignature:
 
     inputs: tuple[tuple[str, str, tuple[int, ...]], ...]
     outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
-
-
-def as_array(values: Any, datatype: str) -> np.ndarray:
-    """Helper for tests and backends: build the canonical numpy array for `datatype`."""
-    from server.datatypes import numpy_dtype, to_bytes_element
-
-    if datatype == "BYTES":
-        flat = np.asarray(values, dtype=np.object_)
-        out = np.empty(flat.shape, dtype=np.object_)
-        for idx, v in np.ndenumerate(flat):
-            out[idx] = to_bytes_element(v)
-        return out
-    return np.asarray(values, dtype=numpy_dtype(datatype))

@@ -51,16 +51,6 @@ def parse_config_file(path: Path) -> mc.ModelConfig:
     return parse_config_text(text, str(path))
 
 
-def config_from_json(text: str, source: str) -> mc.ModelConfig:
-    """A JSON ModelConfig (repository-load `config` override)."""
-    config = mc.ModelConfig()
-    try:
-        json_format.Parse(text, config)
-    except json_format.ParseError as exc:
-        raise invalid_arg(f"failed to parse model configuration {source}: {exc}") from None
-    return config
-
-
 def complete_config(
     config: mc.ModelConfig,
     model_name: str,
