@@ -11,11 +11,13 @@ import sys
 
 from aiohttp import web
 
+from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.frontends.grpc.servicer import start_grpc_server
 from server.frontends.http.app import build_app
 from server.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from server.repository.manager import RepositoryManager
+from server.repository.watcher import RepositoryWatcher
 from server.settings import Settings
 
 log = logging.getLogger("pier")
@@ -40,18 +42,21 @@ class PierServer:
             list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count
         )
         self.plane = DataPlane(self.manager, settings.strict_readiness)
+        self.control = ControlPlane(self.manager, settings.model_control_mode)
+        self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
         self._grpc = None
 
     async def start_endpoints(self) -> None:
         s = self.settings
         if s.allow_http:
-            await self._serve_http(build_app(self.plane, s.http_max_input_size), s.http_address, s.http_port)
+            app = build_app(self.plane, self.control, s.http_max_input_size)
+            await self._serve_http(app, s.http_address, s.http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
             address = f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
-                self._grpc = await start_grpc_server(self.plane, address, s.grpc_max_message_size)
+                self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s", address)
@@ -81,8 +86,16 @@ class PierServer:
         log.info("\n%s", _table(self.manager.status_table()))
         return errors
 
+    def start_watching(self) -> None:
+        if self.settings.model_control_mode == "poll":
+            s = self.settings
+            self._watcher = RepositoryWatcher(self.manager, list(s.model_repositories), s.repository_poll_secs)
+            self._watcher.start()
+
     async def shutdown(self) -> None:
         self.plane.begin_exit()
+        if self._watcher is not None:
+            await self._watcher.stop()
         try:
             await asyncio.wait_for(self.plane.wait_idle(), self.settings.exit_timeout_secs)
         except asyncio.TimeoutError:
@@ -117,6 +130,7 @@ async def serve(settings: Settings) -> int:
     for e in errors:
         log.warning("%s", e)
     server.plane.mark_started()
+    server.start_watching()
     log.info("Pier is ready")
     await stop.wait()
     log.info("shutting down: finishing in-flight requests")

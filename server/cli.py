@@ -44,6 +44,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
     flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
     flag("--model-load-thread-count", type=int, default=4)
+    flag("--repository-poll-secs", type=float, default=15.0,
+         help="poll mode: rescan period in seconds (file-system events apply changes sooner)")
     flag("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
          help="counter_latencies=true|false, histogram_latencies=true|false (repeatable)")
     return p
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    from server import model_cli
+
+    model_cli.add_parser(sub)
     return parser
 
 
@@ -72,8 +77,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         MetricsConfig.parse(args.metrics_config)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.model_control_mode == "poll":
-        parser.error("--model-control-mode=poll is not supported yet (use none or explicit)")
+    if args.repository_poll_secs <= 0:
+        parser.error("--repository-poll-secs must be positive")
     return Settings(
         model_repositories=repos,
         http_port=args.http_port,
@@ -95,6 +100,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         http_max_input_size=args.http_max_input_size,
         grpc_max_message_size=args.grpc_max_message_size,
         model_load_thread_count=args.model_load_thread_count,
+        repository_poll_secs=args.repository_poll_secs,
         metrics_config=tuple(args.metrics_config),
     )
 
@@ -106,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.app import run
 
         return run(settings_from_args(args, parser))
+    if args.command == "model":
+        from server import model_cli
+
+        return model_cli.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

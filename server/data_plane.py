@@ -18,7 +18,8 @@ from server.validation import to_api_outputs, validate_request
 SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
-EXTENSIONS = ("model_configuration", "binary_tensor_data", "parameters", "statistics")
+EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "model_configuration",
+              "binary_tensor_data", "parameters", "statistics")
 
 
 class DataPlane:
@@ -105,9 +106,6 @@ class DataPlane:
                     raise invalid_arg(f"requested model version is not available for model '{name}'")
         models.sort(key=lambda m: (m.spec.name, m.version))
         return [m.stats.as_dict(m.spec.name, m.version_str) for m in models]
-
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return self._manager.index(ready_only)
 
     # ---- inference -----------------------------------------------------------------------
 

@@ -28,4 +28,5 @@ class Settings:
     http_max_input_size: int = 1 << 26
     grpc_max_message_size: int = (1 << 31) - 1
     model_load_thread_count: int = 4
+    repository_poll_secs: float = 15.0
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config

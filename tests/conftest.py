@@ -86,7 +86,7 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
         try:
             if requests.get(f"{server.base()}/v2/health/ready", timeout=1).status_code == 200:
                 return server
-        except requests.ConnectionError:
+        except requests.RequestException:  # not listening yet, or too busy to answer within 1 s
             pass
         time.sleep(0.1)
     server.stop()

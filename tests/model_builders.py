@@ -29,3 +29,21 @@ def slow_model(layers: int = 40, batched: bool = False) -> bytes:
     graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("X", TensorProto.FLOAT, io_shape)],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, io_shape)], inits)
     return _model(graph)
+
+
+def add_constant_model(constant: float) -> bytes:
+    """Y = X + constant, FP32 [-1, 4] (batched): the answer tells which version served it."""
+    c = numpy_helper.from_array(np.full([4], constant, dtype=np.float32), "C")
+    graph = helper.make_graph([helper.make_node("Add", ["X", "C"], ["Y"])], "add_constant",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 4])], [c])
+    return _model(graph)
+
+
+ADD_CONFIG = """name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 8
+version_policy: {policy}
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""

@@ -26,6 +26,7 @@ class LoadedModel:
         self.version_str = str(version)
         self.scheduler = scheduler
         self.stats = stats
+        self.load_duration_s = 0.0  # nv_model_load_duration_secs
 
     async def stop(self) -> None:
         await self.scheduler.stop()

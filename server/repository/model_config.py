@@ -51,6 +51,17 @@ def parse_config_file(path: Path) -> mc.ModelConfig:
     return parse_config_text(text, str(path))
 
 
+def parse_config_json(text: str, source: str) -> mc.ModelConfig:
+    """A ModelConfig sent as JSON (the load API's `config` parameter), as Triton accepts it:
+    proto field names or their lowerCamelCase forms."""
+    config = mc.ModelConfig()
+    try:
+        json_format.Parse(text, config)
+    except json_format.ParseError as exc:
+        raise invalid_arg(f"failed to parse model configuration {source}: {exc}") from None
+    return config
+
+
 def complete_config(
     config: mc.ModelConfig,
     model_name: str,

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import PierError, unsupported
 from server.frontends.grpc import codec
@@ -44,9 +45,24 @@ def _not_yet(rpc: str) -> Callable[..., Any]:
     return _translate(handler)
 
 
+def _check_repository(name: str) -> None:
+    if name:
+        raise unsupported(f"named repositories ('{name}') are not supported: leave repository_name empty")
+
+
+def _repository_parameters(params: Any) -> dict[str, Any]:
+    """ModelRepositoryParameter oneofs -> plain values (file contents stay bytes)."""
+    out: dict[str, Any] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which else None
+    return out
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, control: ControlPlane) -> None:
         self.plane = plane
+        self.control = control
 
     @_translate
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -85,8 +101,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
-        rows = self.plane.repository_index(request.ready)
+        rows = self.control.index(request.ready)
         return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
+
+    @_translate
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Any) -> pb.RepositoryModelLoadResponse:
+        _check_repository(request.repository_name)
+        await self.control.load(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    @_translate
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Any) -> pb.RepositoryModelUnloadResponse:
+        _check_repository(request.repository_name)
+        await self.control.unload(request.model_name, _repository_parameters(request.parameters))
+        return pb.RepositoryModelUnloadResponse()
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
@@ -132,8 +162,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if leftover is not None:
                     leftover.cancel()
 
-    RepositoryModelLoad = _not_yet("RepositoryModelLoad (model control)")
-    RepositoryModelUnload = _not_yet("RepositoryModelUnload (model control)")
     SystemSharedMemoryStatus = _not_yet("SystemSharedMemoryStatus (system shared memory)")
     SystemSharedMemoryRegister = _not_yet("SystemSharedMemoryRegister (system shared memory)")
     SystemSharedMemoryUnregister = _not_yet("SystemSharedMemoryUnregister (system shared memory)")
@@ -156,14 +184,15 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         return status(status=status.SERVING if self.plane.ready() else status.NOT_SERVING)
 
 
-async def start_grpc_server(plane: DataPlane, address: str, max_message_bytes: int) -> grpc.aio.Server:
+async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str,
+                            max_message_bytes: int) -> grpc.aio.Server:
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, control), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(plane), server)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot bind gRPC to {address}")

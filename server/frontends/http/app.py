@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError
 from server.frontends.http import codec
@@ -35,8 +36,9 @@ def _version(request: web.Request) -> str:
 
 
 class HttpHandlers:
-    def __init__(self, plane: DataPlane, max_json_size: int) -> None:
+    def __init__(self, plane: DataPlane, control: ControlPlane, max_json_size: int) -> None:
         self.plane = plane
+        self.control = control
         self.max_json_size = max_json_size
 
     async def live(self, request: web.Request) -> web.Response:
@@ -66,15 +68,58 @@ class HttpHandlers:
         name = request.match_info.get("model", "")
         return _json({"model_stats": self.plane.statistics(name, _version(request))})
 
-    async def repository_index(self, request: web.Request) -> web.Response:
+    async def _body(self, request: web.Request, what: str) -> dict:
         body = await request.read()
-        ready = False
-        if body.strip():
-            doc = codec.parse_json(body)
-            if not isinstance(doc, dict):
-                raise PierError(ErrorCode.INVALID_ARG, "the index request must be a JSON object")
-            ready = doc.get("ready", False) is True
-        return _json(self.plane.repository_index(ready))
+        codec.check_json_size(len(body), self.max_json_size)
+        if not body.strip():
+            return {}
+        doc = codec.parse_json(body)
+        if not isinstance(doc, dict):
+            raise PierError(ErrorCode.INVALID_ARG, f"the {what} request must be a JSON object")
+        return doc
+
+    async def _parameters(self, request: web.Request, what: str) -> dict:
+        params = (await self._body(request, what)).get("parameters", {})
+        if not isinstance(params, dict):
+            raise PierError(ErrorCode.INVALID_ARG, f"the {what} request's 'parameters' must be a JSON object")
+        return params
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        doc = await self._body(request, "index")
+        return _json(self.control.index(doc.get("ready", False) is True))
+
+    async def repository_load(self, request: web.Request) -> web.Response:
+        params = await self._parameters(request, "load")
+        for key, value in params.items():
+            if key.startswith("file:"):
+                params[key] = codec.decode_base64(value, f"load parameter '{key}'")
+        await self.control.load(request.match_info["model"], params)
+        return _empty(200)
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        await self.control.unload(request.match_info["model"], await self._parameters(request, "unload"))
+        return _empty(200)
+
+    async def version_load(self, request: web.Request) -> web.Response:
+        await self.control.load_version(request.match_info["model"], _version(request))
+        return _empty(200)
+
+    async def version_unload(self, request: web.Request) -> web.Response:
+        await self.control.unload_version(request.match_info["model"], _version(request))
+        return _empty(200)
+
+    async def rollout(self, request: web.Request) -> web.Response:
+        doc = await self._body(request, "rollout")
+        version = doc.get("version")
+        return _json(self.control.rollout(request.match_info["model"], doc.get("weights"),
+                                          None if version is None else str(version)))
+
+    async def rollback(self, request: web.Request) -> web.Response:
+        version = (await self._body(request, "rollback")).get("version")
+        return _json(self.control.rollback(request.match_info["model"], None if version is None else str(version)))
+
+    async def traffic(self, request: web.Request) -> web.Response:
+        return _json(self.control.traffic(request.match_info["model"]))
 
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
@@ -137,9 +182,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 MAX_BODY_BYTES = (1 << 31) - 1
 
 
-def build_app(plane: DataPlane, max_input_size: int) -> web.Application:
+def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max(max_input_size, MAX_BODY_BYTES))
-    h = HttpHandlers(plane, max_input_size)
+    h = HttpHandlers(plane, control, max_input_size)
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
     r = app.router
@@ -157,6 +202,14 @@ def build_app(plane: DataPlane, max_input_size: int) -> web.Application:
     for path in ("/v2/systemsharedmemory/{tail:.*}", "/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
                  "/v2/models/{model}/trace/setting", "/v2/logging"):
         r.add_route("*", path, h.not_yet)
-    r.add_post("/v2/repository/models/{model}/load", h.not_yet)
-    r.add_post("/v2/repository/models/{model}/unload", h.not_yet)
+    repo_model = "/v2/repository/models/{model}"
+    r.add_post(repo_model + "/load", h.repository_load)
+    r.add_post(repo_model + "/unload", h.repository_unload)
+    r.add_post(repo_model + "/versions/{version:[0-9]+}/load", h.version_load)
+    r.add_post(repo_model + "/versions/{version:[0-9]+}/unload", h.version_unload)
+    r.add_post(repo_model + "/rollout", h.rollout)
+    r.add_post(repo_model + "/rollback", h.rollback)
+    r.add_get(repo_model + "/traffic", h.traffic)
+    # Named repositories (Triton's /v2/repository/{repo}/...): one namespace here, as Triton's HTTP.
+    r.add_route("*", "/v2/repository/{repo}/models/{tail:.*}", h.not_yet)
     return app

@@ -4,6 +4,8 @@ Error wording follows Triton's where clients and test suites match on it."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from typing import Any
@@ -34,6 +36,16 @@ def parse_json(body: bytes | memoryview, what: str = "request JSON") -> Any:
         return json.loads(bytes(body))
     except (ValueError, RecursionError):
         raise invalid_arg(f"failed to parse the {what}: {error}") from None
+
+
+def decode_base64(value: Any, what: str) -> bytes:
+    """A base64 string from a JSON body (the load API's file parameters)."""
+    if not isinstance(value, str):
+        raise invalid_arg(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise invalid_arg(f"{what} is not valid base64: {exc}") from None
 
 
 def check_json_size(json_length: int, limit: int) -> None:

@@ -1,0 +1,69 @@
+"""`model_warmup` from the config: synthetic requests each new instance runs before its version
+takes traffic, so the first real request does not pay for lazy initialisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from backends.base import ModelInstance
+from server import datatypes
+from server.errors import PierError, invalid_arg
+from server.protocol import model_config_pb2 as mc
+from server.types import InferenceRequest, ModelSpec, Tensor
+from server.validation import validate_request
+
+
+def _tensor(name: str, spec_input: mc.ModelWarmup.Input, shape: list[int], model_dir: Path,
+            rng: np.random.Generator) -> Tensor:
+    datatype = datatypes.config_to_datatype(mc.DataType.Name(spec_input.data_type))
+    which = spec_input.WhichOneof("input_data_type")
+    count = datatypes.element_count(shape)
+    if which == "input_data_file":
+        path = model_dir / "warmup" / spec_input.input_data_file
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise invalid_arg(f"warmup input '{name}': cannot read {path}: {exc}") from None
+        if datatype == "BYTES":
+            data = datatypes.deserialize_bytes(raw, count, name).reshape(shape)
+        else:
+            data = datatypes.from_raw(raw, datatype, shape, name)
+    elif datatype == "BYTES":
+        fill = b"" if which != "random_data" else b"warmup"
+        data = np.full(shape, fill, dtype=object)
+    elif which == "random_data":
+        dtype = datatypes.numpy_dtype(datatype)
+        if datatype == "BOOL":
+            data = rng.integers(0, 2, size=shape).astype(bool)
+        elif np.issubdtype(dtype, np.integer):
+            data = rng.integers(0, 100, size=shape).astype(dtype)
+        else:
+            data = rng.random(size=shape).astype(dtype)
+    else:
+        data = np.zeros(shape, dtype=datatypes.numpy_dtype(datatype))
+    return Tensor(name, datatype, list(shape), data)
+
+
+def warm_up(config: mc.ModelConfig, spec: ModelSpec, model_dir: Path, instances: list[ModelInstance]) -> None:
+    """Blocking: run every warmup sample `count` times (at least once) on every instance.
+    Raises INVALID_ARG naming the sample when one fails: the version does not load."""
+    rng = np.random.default_rng(0)
+    for sample in config.model_warmup:
+        label = sample.name or "<unnamed>"
+        try:
+            batch = max(sample.batch_size, 1)
+            inputs = []
+            for name, spec_input in sorted(sample.inputs.items()):
+                shape = ([batch] if spec.max_batch_size > 0 else []) + list(spec_input.dims)
+                inputs.append(_tensor(name, spec_input, shape, model_dir, rng))
+            request = InferenceRequest(spec.name, "", inputs)
+            validate_request(spec, request)
+        except PierError as exc:
+            raise invalid_arg(f"warmup sample '{label}' is invalid: {exc.message}") from None
+        for instance in instances:
+            for _ in range(max(sample.count, 1)):
+                results = instance.execute([request])
+                if results and isinstance(results[0], PierError):
+                    raise invalid_arg(f"warmup sample '{label}' failed: {results[0].message}")
