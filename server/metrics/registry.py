@@ -106,8 +106,10 @@ class SystemUsage:
 
 
 class MetricsRenderer:
-    def __init__(self, models: Callable[[], list[LoadedModel]], config: MetricsConfig) -> None:
+    def __init__(self, models: Callable[[], list[LoadedModel]], config: MetricsConfig,
+                 traffic: Callable[[str], dict[int, float]] | None = None) -> None:
         self._models = models
+        self._traffic = traffic
         self._config = config
         self._system = SystemUsage()
 
@@ -132,6 +134,16 @@ class MetricsRenderer:
             [f"nv_inference_pending_request_count{{{_labels(m)}}} {m.scheduler.pending_count()}\n" for m in models]))
         if self._config.histogram_latencies:
             parts.append(self._histogram(models))
+        parts.append(_family("nv_model_load_duration_secs", "gauge", "Model load time in seconds",
+                             [f"nv_model_load_duration_secs{{{_labels(m)}}} {m.load_duration_s:.6f}\n"
+                              for m in models]))
+        if self._traffic is not None:
+            split = {name: self._traffic(name) for name in {m.spec.name for m in models}}
+            parts.append(_family(
+                "pier_model_traffic_percent", "gauge",
+                "Percent of unversioned requests routed to each version (rollout weights, else newest READY)",
+                [f"pier_model_traffic_percent{{{_labels(m)}}} {split[m.spec.name].get(m.version, 0.0):g}\n"
+                 for m in models]))
         total, used = self._system.memory()
         parts.append(_family("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]",
                              [f"nv_cpu_utilization {self._system.utilization()}\n"]))

@@ -93,6 +93,7 @@ def test_load_serves_the_policy_version_and_unload_drains(server: PierProcess, h
     http.unload_model("addv")
     wait_for(lambda: index(server).get(("addv", "2")) == ("UNAVAILABLE", "unloaded"), what="addv unloaded")
     assert not http.is_model_ready("addv")
+    assert http.is_server_ready()  # strict readiness tolerates versions unloaded on purpose
     with pytest.raises(InferenceServerException):
         add_infer(http, "addv")
     http.unload_model("never_loaded_model")  # unloading what is not loaded succeeds, as in Triton
@@ -263,3 +264,20 @@ def test_control_calls_are_refused_outside_explicit_mode(repo: Path, tmp_path: P
         assert add_infer(httpclient.InferenceServerClient(server.http_url), "other")[0] == "1"
     finally:
         assert server.stop() == 0
+
+
+def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http) -> None:
+    def warmup(inputs: dict) -> str:
+        return json.dumps({"max_batch_size": 8, "model_warmup": [
+            {"name": "sample", "batch_size": 2, "count": 3, "inputs": inputs}]})
+
+    good = {"X": {"data_type": "TYPE_FP32", "dims": [4], "random_data": True}}
+    http.load_model("other", config=warmup(good))
+    assert np.allclose(add_infer(http, "other")[1], X + 10)
+    with pytest.raises(InferenceServerException, match="warmup sample 'sample'.*NOPE"):
+        http.load_model("other", config=warmup({"NOPE": {"data_type": "TYPE_FP32", "dims": [4], "zero_data": True}}))
+    with pytest.raises(InferenceServerException, match="warmup input 'X': cannot read"):
+        http.load_model("other", config=warmup({"X": {"data_type": "TYPE_FP32", "dims": [4],
+                                                      "input_data_file": "missing.bin"}}))
+    assert np.allclose(add_infer(http, "other")[1], X + 10)  # the failed reloads left it serving
+    http.load_model("other")

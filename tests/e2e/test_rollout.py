@@ -186,6 +186,8 @@ def test_rollout_split_rollback_unload_under_load(tmp_path: Path) -> None:
         assert counts["1"] > 0 and counts["2"] > 0
         line = next(m for m in metrics.splitlines() if m.startswith('nv_inference_count{model="addv",version="2"}'))
         assert float(line.split()[-1]) >= 1
+        assert 'pier_model_traffic_percent{model="addv",version="2"} 100' in metrics
+        assert 'nv_model_load_duration_secs{model="addv",version="2"}' in metrics
         log = server.log()
         assert "traffic for 'addv': v1 10%, v2 90%" in log and "unloaded 'addv' version 1" in log
     finally:
