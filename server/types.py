@@ -71,6 +71,27 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchInputSpec:
+    """A config `batch_input`: a tensor the server computes from the batch it formed (Triton's
+    ragged batching). `kind` is the BatchInput.Kind name; `datatype` is INT32 or FP32."""
+
+    kind: str
+    target_names: tuple[str, ...]
+    datatype: str
+    source_inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutputSpec:
+    """A config `batch_output`: an output split back per request by a source input's shape
+    (kind BATCH_SCATTER_WITH_INPUT_SHAPE, the only kind Triton has)."""
+
+    kind: str
+    target_names: tuple[str, ...]
+    source_inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceGroupSpec:
     name: str
     kind: str  # KIND_CPU | KIND_GPU | KIND_MODEL | KIND_AUTO
@@ -93,6 +114,8 @@ class ModelSpec:
     parameters: Mapping[str, str]
     decoupled: bool = False
     config_json: Mapping[str, Any] = field(default_factory=dict)
+    batch_inputs: tuple[BatchInputSpec, ...] = ()
+    batch_outputs: tuple[BatchOutputSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_inputs_by_name", {t.name: t for t in self.inputs})

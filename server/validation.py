@@ -99,6 +99,12 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
             )
     if any(name not in seen for name in required):
         _raise_count(spec, request, required, given)
+    for source in _batch_sources(spec):
+        if source not in seen:
+            raise invalid_arg(
+                f"{_prefix(request)}input '{source}' is optional but model '{spec.name}' needs it to form "
+                "the batch (it is the source_input of a batch_input or batch_output)"
+            )
     if request.outputs:
         unique: dict[str, RequestedOutput] = {}
         for out in request.outputs:
@@ -108,6 +114,11 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         if len(unique) != len(request.outputs):
             request.outputs = list(unique.values())
     return batch if batch is not None else 1
+
+
+def _batch_sources(spec: ModelSpec) -> list[str]:
+    return [s for b in spec.batch_inputs for s in b.source_inputs] + \
+        [s for o in spec.batch_outputs for s in o.source_inputs]
 
 
 def _raise_count(spec: ModelSpec, request: InferenceRequest, required: list[str], given: list[str]) -> None:

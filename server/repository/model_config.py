@@ -21,7 +21,8 @@ from server.datatypes import config_to_datatype, datatype_to_config
 from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
 from server.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
-from server.types import InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
+from server.scheduling.ragged import BatchLayout
+from server.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
 
 ModelConfig = mc.ModelConfig
 Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]
@@ -201,6 +202,7 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
                     raise fail(f"{kind} '{t.name}' has invalid dim {d}: dims must be >= 0 or -1")
             if t.HasField("reshape"):
                 _check_reshape(t.name, list(t.dims), list(t.reshape.shape), fail)
+    _validate_batch_io(config, fail)
     for group in config.instance_group:
         if group.count < 0:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
@@ -217,6 +219,51 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
                     f"dynamic batching preferred size {size} must be in 1..max_batch_size "
                     f"({config.max_batch_size})"
                 )
+
+
+def _validate_batch_io(config: mc.ModelConfig, fail: Callable[[str], PierError]) -> None:
+    """Ragged inputs, batch_input and batch_output (Triton's ValidateBatchIO, and its wording)."""
+    inputs = {t.name for t in config.input}
+    outputs = {t.name for t in config.output}
+    for t in config.input:
+        if t.allow_ragged_batch and config.max_batch_size == 0:
+            raise fail(f"input '{t.name}' sets allow_ragged_batch, which needs max_batch_size > 0")
+    targets: set[str] = set()
+    for bi in config.batch_input:
+        if bi.kind not in mc.BatchInput.Kind.values():
+            raise fail(f"unknown batch input kind '{bi.kind}'")
+        kind = mc.BatchInput.Kind.Name(bi.kind)
+        if len(bi.source_input) != 1:
+            raise fail(f"batch input kind '{kind}' expects 1 source input, got {len(bi.source_input)}")
+        if bi.data_type not in (mc.TYPE_INT32, mc.TYPE_FP32):
+            raise fail("batch input data type must be TYPE_INT32 or TYPE_FP32")
+        for source in bi.source_input:
+            if source not in inputs:
+                raise fail(f"unknown source input name '{source}' in batch input '{kind}'")
+        if not bi.target_name:
+            raise fail(f"batch input kind '{kind}' needs a target_name (the model input it feeds)")
+        for target in bi.target_name:
+            if target in inputs:
+                raise fail(f"batch input target '{target}' is also declared as a model input")
+            if target in targets:
+                raise fail(f"batch input target '{target}' can only be specified once")
+            targets.add(target)
+    scattered: set[str] = set()
+    for bo in config.batch_output:
+        if bo.kind not in mc.BatchOutput.Kind.values():
+            raise fail(f"unknown batch output kind '{bo.kind}'")
+        kind = mc.BatchOutput.Kind.Name(bo.kind)
+        if len(bo.source_input) != 1:
+            raise fail(f"batch output kind '{kind}' expects 1 source input, got {len(bo.source_input)}")
+        for source in bo.source_input:
+            if source not in inputs:
+                raise fail(f"unknown source input name '{source}' in batch output '{kind}'")
+        for target in bo.target_name:
+            if target not in outputs:
+                raise fail(f"unknown target output name '{target}' in batch output '{kind}'")
+            if target in scattered:
+                raise fail(f"target output name '{target}' can only be specified once")
+            scattered.add(target)
 
 
 def _check_reshape(name: str, dims: list[int], shape: list[int], fail: Callable[[str], PierError]) -> None:
@@ -267,6 +314,15 @@ def build_spec(config: mc.ModelConfig) -> ModelSpec:
         parameters={k: v.string_value for k, v in config.parameters.items()},
         decoupled=config.model_transaction_policy.decoupled,
         config_json=config_to_json(config),
+        batch_inputs=tuple(
+            BatchInputSpec(mc.BatchInput.Kind.Name(b.kind), tuple(b.target_name),
+                           config_to_datatype(mc.DataType.Name(b.data_type)), tuple(b.source_input))
+            for b in config.batch_input
+        ),
+        batch_outputs=tuple(
+            BatchOutputSpec(mc.BatchOutput.Kind.Name(b.kind), tuple(b.target_name), tuple(b.source_input))
+            for b in config.batch_output
+        ),
     )
 
 
@@ -335,4 +391,5 @@ def batching_policy(config: mc.ModelConfig) -> BatchingPolicy | None:
         default_priority_level=db.default_priority_level,
         default_policy=queue_policy(db.default_queue_policy),
         level_policies={int(k): queue_policy(v) for k, v in db.priority_queue_policy.items()},
+        layout=BatchLayout.from_spec(build_spec(config)),
     )

@@ -1,34 +1,51 @@
-"""Merge requests along dim 0 into one batch and split the outputs back, row for row."""
+"""Merge requests along dim 0 into one batch and split the outputs back, row for row (with a
+BatchLayout: ragged inputs, batch inputs and scattered batch outputs, see ragged.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from backends.base import ExecuteResult
 from server.errors import internal
+from server.scheduling.ragged import BatchLayout, batch_input_tensors, scatter
 from server.types import InferenceRequest, RequestedOutput, Tensor
 
-CompatKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+CompatKey = tuple[tuple[str, str, tuple[int, ...] | None], ...]
 
 
-def compat_key(request: InferenceRequest) -> CompatKey:
-    """Requests with equal keys can share a batch: same inputs, datatypes and non-batch dims."""
-    return tuple(sorted((t.name, t.datatype, tuple(t.data.shape[1:])) for t in request.inputs))
+def compat_key(request: InferenceRequest, ragged: frozenset[str] = frozenset()) -> CompatKey:
+    """Requests with equal keys can share a batch: same inputs, datatypes and non-batch dims
+    (a ragged input's dims do not count: any shapes may share a batch)."""
+    return tuple(sorted(
+        (t.name, t.datatype, None if t.name in ragged else tuple(t.data.shape[1:])) for t in request.inputs
+    ))
 
 
-def merge(requests: Sequence[InferenceRequest]) -> InferenceRequest:
+def merge(requests: Sequence[InferenceRequest], layout: BatchLayout | None = None) -> InferenceRequest:
     """One request whose inputs are the concatenation of `requests`' inputs (in order). It asks
-    for every output any of them asked for (all, if one asked for all)."""
+    for every output any of them asked for (all, if one asked for all). With a layout, ragged
+    inputs are flattened and concatenated to 1-D and the batch inputs are added, even for one
+    request (as Triton's backends do)."""
     first = requests[0]
-    if len(requests) == 1:
+    if layout is None and len(requests) == 1:
         return first
+    ragged = layout.ragged_inputs if layout is not None else frozenset()
     by_name = [{t.name: t for t in r.inputs} for r in requests]
     inputs = []
     for t in first.inputs:
-        data = np.concatenate([m[t.name].data for m in by_name], axis=0)
+        parts = [m[t.name].data for m in by_name]
+        if t.name in ragged:
+            data = np.concatenate([p.reshape(-1) for p in parts])
+        else:
+            data = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
         inputs.append(Tensor(t.name, t.datatype, list(data.shape), data))
+    if layout is not None:
+        inputs.extend(batch_input_tensors(layout, requests))
+    if len(requests) == 1:
+        return dataclasses.replace(first, inputs=inputs)
     outputs: list[RequestedOutput] = []
     if all(r.outputs for r in requests):
         seen: dict[str, RequestedOutput] = {}
@@ -39,22 +56,35 @@ def merge(requests: Sequence[InferenceRequest]) -> InferenceRequest:
     return InferenceRequest(first.model_name, first.model_version, inputs, outputs)
 
 
-def split(result: ExecuteResult, sizes: Sequence[int]) -> list[ExecuteResult]:
-    """Per-request results from one batch result: rows [offset, offset + size) of each output."""
-    if isinstance(result, Exception) or len(sizes) == 1:
-        return [result] * len(sizes) if isinstance(result, Exception) else [result]
+def split(result: ExecuteResult, sizes: Sequence[int], requests: Sequence[InferenceRequest] = (),
+          layout: BatchLayout | None = None) -> list[ExecuteResult]:
+    """Per-request results from one batch result: rows [offset, offset + size) of each output;
+    a layout's batch outputs are scattered by their source input's shape in `requests`."""
+    n = len(sizes)
+    if isinstance(result, Exception):
+        return [result] * n
+    scattered = layout.scatter_by_name() if layout is not None else {}
+    if n == 1 and not scattered:
+        return [result]
     total = sum(sizes)
+    out: list[list[Tensor]] = [[] for _ in sizes]
     for t in result:
-        if t.data.ndim == 0 or t.data.shape[0] != total:
+        if t.name in scattered:
+            parts = scatter(t, scattered[t.name], requests)
+            if not isinstance(parts, list):
+                return [parts] * n
+        elif n == 1:
+            parts = [t]
+        elif t.data.ndim == 0 or t.data.shape[0] != total:
             err = internal(f"output '{t.name}' has {t.data.shape[:1]} rows for a batch of {total}: cannot split")
-            return [err] * len(sizes)
-    out: list[ExecuteResult] = []
-    offset = 0
-    for size in sizes:
-        rows = []
-        for t in result:
-            part = t.data[offset:offset + size]
-            rows.append(Tensor(t.name, t.datatype, list(part.shape), part, dict(t.parameters)))
-        out.append(rows)
-        offset += size
-    return out
+            return [err] * n
+        else:
+            parts = []
+            offset = 0
+            for size in sizes:
+                part = t.data[offset:offset + size]
+                parts.append(Tensor(t.name, t.datatype, list(part.shape), part, dict(t.parameters)))
+                offset += size
+        for rows, piece in zip(out, parts):
+            rows.append(piece)
+    return list(out)

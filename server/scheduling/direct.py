@@ -1,27 +1,40 @@
 """Default scheduler: each request runs alone on the next idle instance (Triton's behaviour
-for models without dynamic or sequence batching)."""
+for models without dynamic or sequence batching). A model with ragged batching config still gets
+its batch of one shaped as Triton's backends shape it (ragged inputs 1-D, batch inputs added,
+batch outputs scattered): pass its BatchLayout."""
 
 from __future__ import annotations
 
 import time
 
 from backends.base import ExecuteResult, ModelInstance
-from server.errors import internal
+from server.errors import PierError, internal
 from server.scheduling.base import Scheduler, WorkItem
+from server.scheduling.batch import merge, split
 from server.scheduling.instance_pool import InstancePool, JobResult
+from server.scheduling.ragged import BatchLayout
 from server.statistics import ModelStatistics
 
 
 class DirectScheduler(Scheduler):
-    def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str) -> None:
+    def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
+                 layout: BatchLayout | None = None) -> None:
         self._pool = InstancePool(instances, name)
+        self._layout = layout
         self._stats = stats
         self._inflight = 0
 
     async def enqueue(self, item: WorkItem) -> ExecuteResult:
+        request = item.request
+        if self._layout is not None:
+            try:
+                request = merge([request], self._layout)
+            except PierError as exc:
+                self._stats.record_request(False, 0, reason="OTHER")
+                return exc
         self._inflight += 1
         try:
-            job: JobResult = await self._pool.submit([item.request])
+            job: JobResult = await self._pool.submit([request])
         finally:
             self._inflight -= 1
         done = time.perf_counter_ns()
@@ -32,6 +45,8 @@ class DirectScheduler(Scheduler):
         output_ns = done - job.end_ns
         self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
         result = job.results[0]
+        if self._layout is not None:
+            result = split(result, [item.batch_size], [item.request], self._layout)[0]
         ok = not isinstance(result, Exception)
         self._stats.record_request(
             ok, done - item.enqueued_ns, job.picked_ns - item.enqueued_ns, input_ns, infer_ns, output_ns,

@@ -5,6 +5,8 @@ When an instance is idle, the batcher takes requests in priority order (then arr
 stopping at the first one that does not fit (incompatible shapes, or past max_batch_size).
 It runs that batch at once if it reached max_batch_size or a preferred size, or when the
 oldest request has waited max_queue_delay_microseconds; otherwise it waits for more.
+With a BatchLayout (ragged batching, see ragged.py), ragged inputs take no part in shape
+compatibility, the batch gets its batch inputs, and batch outputs are scattered back.
 Per-level queue policies bound the queue (a full queue rejects at once with UNAVAILABLE) and
 time requests out (REJECT fails them, DELAY moves them behind every request still in time).
 """
@@ -17,10 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backends.base import ExecuteResult, ModelInstance
-from server.errors import internal, invalid_arg, unavailable
+from server.errors import PierError, internal, invalid_arg, unavailable
 from server.scheduling.base import Scheduler, WorkItem
 from server.scheduling.batch import CompatKey, compat_key, merge, split
 from server.scheduling.instance_pool import InstancePool, JobResult
+from server.scheduling.ragged import BatchLayout
 from server.statistics import ModelStatistics
 
 
@@ -42,6 +45,7 @@ class BatchingPolicy:
     default_priority_level: int = 0
     default_policy: QueuePolicy = QueuePolicy()
     level_policies: dict[int, QueuePolicy] = field(default_factory=dict)
+    layout: BatchLayout | None = None  # ragged inputs, batch inputs/outputs (None: plain batching)
 
     def policy(self, level: int) -> QueuePolicy:
         return self.level_policies.get(level, self.default_policy)
@@ -106,7 +110,9 @@ class DynamicBatcher(Scheduler):
             self._stats.record_request(False, 0, reason="REJECTED")
             raise unavailable("Exceeds maximum queue size")
         future = asyncio.get_running_loop().create_future()
-        queue.append(_Pending(item, future, compat_key(item.request), level, self._deadline(item, policy)))
+        layout = self._policy.layout
+        key = compat_key(item.request, layout.ragged_inputs if layout is not None else frozenset())
+        queue.append(_Pending(item, future, key, level, self._deadline(item, policy)))
         self._schedule()
         return await future
 
@@ -241,7 +247,13 @@ class DynamicBatcher(Scheduler):
         self._executing += len(batch)
         seq = self._next_seq
         self._next_seq += 1
-        job = self._pool.submit([merge([p.item.request for p in batch])])
+        try:
+            job = self._pool.submit([merge([p.item.request for p in batch], self._policy.layout)])
+        except Exception as exc:  # the batch cannot be formed: fail its requests, nothing else
+            err = exc if isinstance(exc, PierError) else internal(f"cannot form the batch: {exc}")
+            now = time.perf_counter_ns()
+            job = asyncio.get_running_loop().create_future()
+            job.set_result(JobResult([err], now, now, now))
         job.add_done_callback(lambda fut: self._on_done(seq, batch, fut))
 
     def _on_done(self, seq: int, batch: list[_Pending], fut: asyncio.Future) -> None:
@@ -253,7 +265,7 @@ class DynamicBatcher(Scheduler):
             results: list[ExecuteResult] = [internal(f"backend returned {len(job.results)} results for 1 batch")] * len(
                 batch)
         else:
-            results = split(job.results[0], sizes)
+            results = split(job.results[0], sizes, [p.item.request for p in batch], self._policy.layout)
         done = time.perf_counter_ns()
         input_ns = job.start_ns - job.picked_ns
         infer_ns = job.end_ns - job.start_ns
