@@ -1,0 +1,1 @@
+"""The LLM engine: paged KV cache, continuous batching, sampling (see ARCHITECTURE.md)."""

@@ -1,0 +1,141 @@
+"""Paged attention, reference torch version: K/V live in fixed-size blocks, read through block tables.
+
+Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. A
+token's slot is `block_id * block_size + offset`.
+
+The flattened batch of one step is ordered: decode tokens first (one per sequence, grouped by
+context length so that padding stays small), then prefill chunks (several tokens per sequence).
+Each layer first writes every new token's K/V into its slot, then attends: a decode group gathers
+its sequences' blocks into a reused workspace (one `index_select`, no allocation) and runs one
+batched SDPA; a prefill chunk without a cached prefix attends over its own new K/V (causal), and one
+with a prefix (prefix cache hit, or a later chunk of a chunked prefill) gathers its blocks and uses a
+causal mask shifted by the prefix length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """`num_seqs` decode tokens at rows [start, start + num_seqs) of the batch."""
+
+    start: int
+    num_seqs: int
+    num_blocks: int  # blocks per sequence after padding
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding rows point at block 0
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, num_blocks * block_size] bool, True = attend; None: all full
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk at rows [start, start + num_tokens); `num_cached` tokens precede it."""
+
+    start: int
+    num_tokens: int
+    num_cached: int
+    block_ids: torch.Tensor | None  # [num_blocks] long when num_cached > 0
+    mask: torch.Tensor | None  # [num_tokens, num_cached + num_tokens] bool when num_cached > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step facts shared by every layer (built once by the model runner)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class Workspace:
+    """Reusable gather buffers: allocating fresh multi-MB tensors every layer costs page faults."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        key = (slot, like.dtype, like.device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, int(numel * 1.25)), dtype=like.dtype, device=like.device)
+            self._bufs[key] = buf
+        return buf[:numel].view(shape)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots."""
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """Attention for a whole step. q: [N, heads, hd]; k, v: [N, kv_heads, hd] (new tokens only).
+
+    Returns [N, heads * hd]. Writes k, v into the cache first, so a sequence may read blocks
+    another sequence of the same step writes (a prefix-cache hit on blocks computed this step).
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    n, heads, hd = q.shape
+    kvh = k.shape[1]
+    group = heads // kvh
+    bs = k_cache.shape[1]
+    outs: list[torch.Tensor] = []
+    for g in meta.decode_groups:
+        b, nb = g.num_seqs, g.num_blocks
+        kb = workspace.get(0, (b * nb, bs, kvh, hd), q)
+        vb = workspace.get(1, (b * nb, bs, kvh, hd), q)
+        torch.index_select(k_cache, 0, g.block_ids, out=kb)
+        torch.index_select(v_cache, 0, g.block_ids, out=vb)
+        keys = kb.view(b, nb * bs, kvh, hd).transpose(1, 2)
+        values = vb.view(b, nb * bs, kvh, hd).transpose(1, 2)
+        # One query token per sequence: the `group` query heads sharing a KV head become rows.
+        qg = q[g.start : g.start + b].view(b, kvh, group, hd)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=scale)
+        outs.append(o.reshape(b, heads * hd))
+    for p in meta.prefills:
+        qs = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+        if p.num_cached == 0:
+            keys = k[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            values = v[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            assert p.block_ids is not None
+            ctx = p.num_cached + p.num_tokens
+            nb = p.block_ids.numel()
+            kb = workspace.get(0, (nb, bs, kvh, hd), q)
+            vb = workspace.get(1, (nb, bs, kvh, hd), q)
+            torch.index_select(k_cache, 0, p.block_ids, out=kb)
+            torch.index_select(v_cache, 0, p.block_ids, out=vb)
+            keys = kb.view(nb * bs, kvh, hd)[:ctx].transpose(0, 1).unsqueeze(0)
+            values = vb.view(nb * bs, kvh, hd)[:ctx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
+        outs.append(o.squeeze(0).transpose(0, 1).reshape(p.num_tokens, heads * hd))
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs, dim=0)
+
+
+def prefix_causal_mask(num_cached: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[num_tokens, num_cached + num_tokens] bool: query i sees keys 0 .. num_cached + i."""
+    cols = torch.arange(num_cached + num_tokens, device=device)
+    rows = torch.arange(num_tokens, device=device) + num_cached
+    return cols.unsqueeze(0) <= rows.unsqueeze(1)

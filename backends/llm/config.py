@@ -1,0 +1,93 @@
+"""Engine settings, parsed once from the model config's `parameters` map (all strings)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model folder.
+
+    KV memory: `kv_cache_memory_bytes` wins when set; otherwise on CUDA the pool takes
+    `gpu_memory_utilization` of the device memory minus what the weights use, and on CPU a
+    default of 512 MiB. `max_num_batched_tokens` is the per-step token budget (prefill chunks
+    plus one token per decode). `max_model_len` None means the model's own limit.
+    """
+
+    model_path: Path | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 0
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.swap_space_bytes < 0:
+            raise ValueError("swap_space_bytes must be non-negative")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str], **overrides: object) -> EngineConfig:
+        """Parse the config.pbtxt `parameters` map; unknown keys are ignored (other layers own them).
+
+        Raises ValueError naming the parameter on a bad value.
+        """
+        kwargs: dict[str, object] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name, raw in params.items():
+            if name not in types:
+                continue
+            text = str(raw).strip()
+            try:
+                kwargs[name] = _parse(name, text)
+            except ValueError:
+                raise ValueError(f"parameter {name}: invalid value {raw!r}") from None
+        kwargs.update(overrides)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _parse(name: str, text: str) -> object:
+    if name in ("model_path",):
+        return Path(text) if text else None
+    if name in ("dtype", "device", "preemption_mode"):
+        return text.lower()
+    if name == "enable_prefix_caching":
+        low = text.lower()
+        if low not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError
+        return low in ("true", "1", "yes")
+    if name == "gpu_memory_utilization":
+        return float(text)
+    if name in ("kv_cache_memory_bytes", "swap_space_bytes"):
+        return int(float(text))
+    if name == "max_model_len":
+        return int(text) if text else None
+    return int(text)

@@ -1,0 +1,285 @@
+"""LLMEngine: add_request / abort / step. One step reads schedule → execute → update.
+
+Single-threaded by design; `AsyncLLMEngine` (async_engine.py) drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import KVCacheManager
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .models.llama import DTYPES, LlamaForCausalLM
+from .models.loader import ModelConfig
+from .request import Sequence as Seq
+from .sampler import SampleResult, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+_DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps (time.monotonic()) for TTFT / TPOT / end-to-end latency."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one sequence produced in one step (a delta), or its end.
+
+    `text` and `token_ids` are deltas since the previous output of this (request_id, index).
+    `logprobs` has one entry per token of `token_ids` when requested: (logprob, top alternatives).
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cumulative_text: str | None = None
+    logprobs: list[tuple[float, dict[int, float] | None]] | None = None
+    stop_reason: str | int | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EngineStats:
+    """Gauges and counters for metrics (vLLM's names in comments)."""
+
+    num_running: int  # vllm:num_requests_running
+    num_waiting: int  # vllm:num_requests_waiting
+    num_swapped: int
+    kv_cache_usage: float  # vllm:kv_cache_usage_perc (fraction)
+    prefix_cache_queries: int  # tokens, vllm:prefix_cache_queries_total
+    prefix_cache_hits: int  # tokens, vllm:prefix_cache_hits_total
+    num_preemptions: int  # vllm:num_preemptions_total
+    prompt_tokens: int  # vllm:prompt_tokens_total
+    generation_tokens: int  # vllm:generation_tokens_total
+    num_blocks: int = 0
+    peak_blocks_used: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: call it from one thread."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        cfg = self.config
+        folder = Path(cfg.model_path or model_dir)
+        self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer = Tokenizer(folder)
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
+            self.max_model_len = mc.sliding_window  # no sliding-window attention: stay inside the window
+        self.device = _device(cfg)
+        self.model = LlamaForCausalLM.load(folder, mc, DTYPES[cfg.dtype], self.device, self.max_model_len + 1)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size)
+        num_blocks = self._kv_budget() // per_block
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 cfg.swap_space_bytes // per_block if cfg.preemption_mode == "swap" else 0)
+        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks)
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.eos_ids = tuple(mc.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self._requests: dict[str, list[Seq]] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._peak_blocks = 0
+
+    @classmethod
+    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str], **overrides: object) -> LLMEngine:
+        """Build from a model config's `parameters` map (strings). Raises ValueError on bad values."""
+        return cls(model_dir, EngineConfig.from_parameters(parameters, **overrides))
+
+    def _kv_budget(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory_bytes is not None:
+            return cfg.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return max(int(total * cfg.gpu_memory_utilization) - used, 0)
+        return _DEFAULT_CPU_KV_BYTES
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids for a prompt (text is tokenized with special tokens). Raises ValueError."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains at least {len(ids)} input tokens, leaving no room for output."
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (bad prompt, duplicate id)."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
+        seq.pending_forks = params.n - 1
+        self._requests[request_id] = [seq]
+        self._prompt_tokens += len(ids)
+        self.scheduler.add(seq)
+
+    def _new_seq(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, arrival: float) -> Seq:
+        seq = Seq(f"{request_id}#{index}", request_id, index, prompt, params, arrival_time=arrival)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(params.seed + index)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+        return seq
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Cancel a request: its blocks are freed now. Returns its final "abort" outputs (empty if unknown)."""
+        seqs = self._requests.pop(request_id, None)
+        if not seqs:
+            return []
+        outs = []
+        for seq in seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+                outs.append(self._output(seq, [], [], True))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and report what each touched sequence produced."""
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_blocks - self.kv.pool.num_free)
+        seq_ids, logits = self.runner.execute(so)
+        return self._update(seq_ids, logits)
+
+    def _update(self, seq_ids: list[str], logits: torch.Tensor | None) -> list[RequestOutput]:
+        if logits is None:
+            return []
+        rows: list[Seq] = []
+        row_of: list[int] = []
+        children: list[Seq] = []
+        for r, sid in enumerate(seq_ids):
+            rid, index = sid.rsplit("#", 1)
+            seq = self._requests[rid][int(index)]
+            rows.append(seq)
+            row_of.append(r)
+            for _ in range(seq.pending_forks):  # n > 1: the children sample from the parent's logits
+                child = self._new_seq(rid, len(self._requests[rid]), seq.prompt_ids, seq.params, seq.arrival_time)
+                child.first_scheduled_time = seq.first_scheduled_time
+                self.kv.fork(seq.seq_id, child.seq_id)  # share every prompt block (copy-on-write later)
+                child.num_computed = seq.num_computed
+                self._requests[rid].append(child)
+                children.append(child)
+                rows.append(child)
+                row_of.append(r)
+            seq.pending_forks = 0
+        for child in children:
+            self.scheduler.add_running(child)
+        if children:
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        results = sample(logits, rows, self.eos_ids)
+        now = time.monotonic()
+        return [self._append_token(seq, res, now) for seq, res in zip(rows, results)]
+
+    def _append_token(self, seq: Seq, res: SampleResult, now: float) -> RequestOutput:
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        seq.output_counts[tok] = seq.output_counts.get(tok, 0) + 1
+        self._generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        p = seq.params
+        stop_str = seq.detok.add(tok)
+        reason = None
+        if stop_str is not None:
+            reason, seq.stop_reason = "stop", stop_str
+        elif seq.num_output >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+            reason, seq.stop_reason = "stop", tok
+        elif (p.max_tokens is not None and seq.num_output >= p.max_tokens) or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seqs = self._requests.get(seq.request_id, [])
+            if all(s.finished for s in seqs):
+                self._requests.pop(seq.request_id, None)
+        lp = [(res.logprob, res.top_logprobs)] if p.logprobs is not None else None
+        return self._output(seq, [tok], lp, reason is not None)  # type: ignore[arg-type]
+
+    def _output(self, seq: Seq, new_ids: list[int], logprobs: list | None, finished: bool) -> RequestOutput:
+        text = seq.detok.take(finished)
+        m = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                           seq.last_token_time, seq.finished_time)
+        return RequestOutput(
+            request_id=seq.request_id, index=seq.index, text=text, token_ids=new_ids, finished=finished,
+            finish_reason=seq.finish_reason if finished else None, prompt_tokens=seq.num_prompt,
+            completion_tokens=seq.num_output, cumulative_text=seq.detok.text[: seq.detok.emitted],
+            logprobs=logprobs, stop_reason=seq.stop_reason if finished else None, metrics=m,
+        )
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s["running"], num_waiting=s["waiting"], num_swapped=s["swapped"],
+            kv_cache_usage=self.kv.pool.usage(), prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=s["preemptions"],
+            prompt_tokens=self._prompt_tokens, generation_tokens=self._generation_tokens,
+            num_blocks=self.kv.pool.num_blocks, peak_blocks_used=self._peak_blocks,
+        )
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[list[list[int]]]:
+        """Convenience for tests and benchmarks: run to completion; output token ids per request per index."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        base = f"gen{time.monotonic_ns()}-"
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            self.add_request(f"{base}{i}", prompt, p)
+        result: dict[str, dict[int, list[int]]] = {f"{base}{i}": {} for i in range(len(prompts))}
+        while self.has_unfinished():
+            for out in self.step():
+                result[out.request_id].setdefault(out.index, []).extend(out.token_ids)
+        return [[r[k] for k in sorted(r)] for r in (result[f"{base}{i}"] for i in range(len(prompts)))]

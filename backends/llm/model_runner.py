@@ -1,0 +1,146 @@
+"""SchedulerOutput → input ids, positions, slot mapping, block tables → logits.
+
+Owns the KV cache tensors (device) and the swap area (CPU). Never touches queues.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, DecodeGroup, PrefillChunk, prefix_causal_mask
+from .models.llama import LlamaForCausalLM
+from .scheduler_output import ScheduledSeq, SchedulerOutput
+
+# A decode group closes when the next (longer) sequence needs this many times the blocks of the
+# group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
+_GROUP_GROWTH = 1.5
+_MIN_GROUP = 8
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
+    cfg = model.cfg
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Runs one step of the model over paged KV caches."""
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        cfg = model.cfg
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=model.device),
+             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            for _ in range(cfg.num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = model.device.type == "cuda"
+        self.cpu_caches = [
+            (torch.zeros(cpu_shape, dtype=model.dtype, pin_memory=pin),
+             torch.zeros(cpu_shape, dtype=model.dtype, pin_memory=pin))
+            for _ in range(cfg.num_layers)
+        ] if num_cpu_blocks else []
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
+        """Do the block moves, run the forward; return (seq ids that sample, their logits [M, V])."""
+        self._move_blocks(so)
+        if not so.scheduled:
+            return [], None
+        decodes = sorted((s for s in so.scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+        prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        bs = self.block_size
+        for s in decodes:
+            ids.append(s.token_ids[0])
+            positions.append(s.start_pos)
+            slots.append(s.block_table[s.start_pos // bs] * bs + s.start_pos % bs)
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_ids.append(s.seq_id)
+        dev = self.model.device
+        groups = self._decode_groups(decodes, dev)
+        chunks: list[PrefillChunk] = []
+        for s in prefills:
+            n = len(s.token_ids)
+            start = len(ids)
+            ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if s.start_pos:
+                nb = -(-(s.start_pos + n) // bs)
+                chunks.append(PrefillChunk(start, n, s.start_pos, torch.tensor(table[:nb], device=dev),
+                                           prefix_causal_mask(s.start_pos, n, dev)))
+            else:
+                chunks.append(PrefillChunk(start, n, 0, None, None))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_ids.append(s.seq_id)
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, chunks)
+        hidden = self.model.forward(
+            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
+        )
+        if not sample_rows:
+            return [], None
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=dev)]
+        return sample_ids, self.model.logits(hidden)
+
+    def _decode_groups(self, decodes: list[ScheduledSeq], dev: torch.device) -> list[DecodeGroup]:
+        """Split the length-sorted decodes into a few groups, each padded to its longest context."""
+        bs = self.block_size
+        groups: list[DecodeGroup] = []
+        i = 0
+        while i < len(decodes):
+            first_nb = decodes[i].start_pos // bs + 1
+            j = i + 1
+            while j < len(decodes):
+                nb = decodes[j].start_pos // bs + 1
+                if j - i >= _MIN_GROUP and nb > first_nb * _GROUP_GROWTH:
+                    break
+                j += 1
+            members = decodes[i:j]
+            nb = members[-1].start_pos // bs + 1
+            block_ids: list[int] = []
+            for s in members:
+                table = s.block_table[:nb]
+                block_ids.extend(table)
+                block_ids.extend([0] * (nb - len(table)))
+            ctx = torch.tensor([s.start_pos + 1 for s in members], device=dev)
+            if bool((ctx == nb * bs).all()):
+                mask = None
+            else:
+                mask = (torch.arange(nb * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(len(members), 1, 1, -1)
+            groups.append(DecodeGroup(i, len(members), nb, torch.tensor(block_ids, device=dev), mask))
+            i = j
+        return groups
+
+    def _move_blocks(self, so: SchedulerOutput) -> None:
+        dev = self.model.device
+        if so.blocks_to_swap_out:
+            src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=dev)
+            dst = torch.tensor([c for _, c in so.blocks_to_swap_out])
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                ck[dst] = k[src].cpu()
+                cv[dst] = v[src].cpu()
+        if so.blocks_to_copy:
+            src = torch.tensor([s for s, _ in so.blocks_to_copy], device=dev)
+            dst = torch.tensor([d for _, d in so.blocks_to_copy], device=dev)
+            for k, v in self.kv_caches:
+                k[dst] = k[src]
+                v[dst] = v[src]
+        if so.blocks_to_swap_in:
+            src = torch.tensor([c for c, _ in so.blocks_to_swap_in])
+            dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=dev)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                k[dst] = ck[src].to(dev)
+                v[dst] = cv[src].to(dev)

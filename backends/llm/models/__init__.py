@@ -1,0 +1,1 @@
+"""Model architectures (plain torch) and weight loading."""

@@ -1,0 +1,189 @@
+"""The Llama family (Llama, Mistral, Qwen2) in plain torch, reading K/V through paged attention.
+
+Matches Hugging Face's modeling code numerically where it matters (RMSNorm in float32, RoPE
+tables in float32, rotate-half layout, SiLU-gated MLP), with q/k/v and gate/up projections fused
+into one matmul each. The forward takes the step's tokens flattened ([N]) with their positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionMetadata, Workspace, paged_attention
+from .loader import ModelConfig, iter_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies after the config's rope scaling, and the cos/sin scaling factor."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    scaling = cfg.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "dynamic":
+        # vLLM's static form: the base grown for max_position_embeddings * factor.
+        max_len = cfg.max_position_embeddings * factor
+        base = base * ((factor * max_len / cfg.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / factor
+    elif rope_type == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type not in ("default", "dynamic"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    return inv_freq, 1.0
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: normalise in float32, scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaForCausalLM:
+    """Weights + forward. Not an nn.Module: no autograd, no hooks, plain tensors."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.layers: list[_Layer] = []
+        self.embed: torch.Tensor | None = None
+        self.norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.scale = cfg.head_dim**-0.5
+        self.workspace = Workspace()
+        inv_freq, attn_scaling = rope_inv_freq(cfg)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * attn_scaling).to(device)
+        self.sin = (emb.sin() * attn_scaling).to(device)
+
+    @classmethod
+    def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+             ) -> LlamaForCausalLM:
+        """Load weights from the folder's safetensors. Raises ValueError on a missing tensor."""
+        model = cls(cfg, dtype, device, max_positions)
+        raw: dict[str, torch.Tensor] = {}
+        for name, tensor in iter_weights(folder):
+            if "rotary_emb" in name:
+                continue
+            raw[name] = tensor
+        model._assign(raw)
+        return model
+
+    def _assign(self, raw: dict[str, torch.Tensor]) -> None:
+        def take(name: str) -> torch.Tensor:
+            if name not in raw:
+                raise ValueError(f"weight {name} missing from the safetensors files")
+            return raw.pop(name).to(device=self.device, dtype=self.dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in raw else None
+
+        def cat_opt(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ValueError("projection biases present for some of q/k/v (or gate/up) only")
+            return torch.cat([p for p in parts if p is not None]).contiguous()
+
+        cfg = self.cfg
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        head = maybe("lm_head.weight")
+        self.lm_head = head if head is not None else self.embed
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                _Layer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv_w=torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
+                    qkv_b=cat_opt([maybe(a + "q_proj.bias"), maybe(a + "k_proj.bias"), maybe(a + "v_proj.bias")]),
+                    o_w=take(a + "o_proj.weight"),
+                    o_b=maybe(a + "o_proj.bias"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up_w=torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                    gate_up_b=cat_opt([maybe(m + "gate_proj.bias"), maybe(m + "up_proj.bias")]),
+                    down_w=take(m + "down_proj.weight"),
+                    down_b=maybe(m + "down_proj.bias"),
+                )
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [N, hidden], for the step's flattened tokens."""
+        assert self.embed is not None and self.norm is not None
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q_size, kv_size = nh * hd, nkv * hd
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        eps = cfg.rms_norm_eps
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            residual = h
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            q = _rotate(qkv[:, :q_size].view(n, nh, hd), cos, sin)
+            k = _rotate(qkv[:, q_size : q_size + kv_size].view(n, nkv, hd), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(n, nkv, hd)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
+            h = residual + F.linear(attn, layer.o_w, layer.o_b)
+            residual = h
+            x = rms_norm(h, layer.post_norm, eps)
+            gate_up = F.linear(x, layer.gate_up_w, layer.gate_up_b)
+            inter = gate_up.shape[-1] // 2
+            x = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = residual + F.linear(x, layer.down_w, layer.down_b)
+        return rms_norm(h, self.norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [M, vocab] for the selected hidden rows."""
+        assert self.lm_head is not None
+        return F.linear(hidden, self.lm_head).float()

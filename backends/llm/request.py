@@ -1,0 +1,66 @@
+"""Per-sequence state: token ids, how many are in the KV cache, status, timestamps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation. A request with n > 1 has n sequences (`index` 0..n-1); they
+    share the prompt's blocks after the prompt is computed once (fork)."""
+
+    seq_id: str
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V are in the cache (or scheduled this step)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    pending_forks: int = 0  # children to fork once the prompt is computed (n > 1)
+    generator: torch.Generator | None = None
+    output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
+    detok: Any = None  # tokenizer.IncrementalDetokenizer
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,146 @@
+"""Per-request sampling settings: frozen, validated once, named as vLLM names them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    `temperature == 0` is greedy. `top_k` of -1 or 0 means no top-k. `logprobs` is None (none),
+    0 (the chosen token's logprob only) or k (the chosen token plus the k most likely).
+    `stop` strings are cut from the output text; `stop_token_ids` end the sequence like EOS
+    (their text is kept). `seed` makes a sampled request reproducible regardless of what else
+    is in the batch.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.n > 1 and self.greedy:
+            raise ValueError("n must be 1 when using greedy sampling")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is argmax (temperature 0)."""
+        return self.temperature < 1e-5
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SamplingParams:
+        """Build from a JSON object (Triton vLLM `sampling_parameters`, an OpenAI body's fields).
+
+        Numbers may arrive as strings (Triton clients often send them so). Unknown keys are kept in
+        `extra`, not rejected, because clients send frontend-only fields (e.g. `stream`).
+        Raises ValueError naming the bad field.
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError("sampling parameters must be a JSON object")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in obj.items():
+            if key not in known:
+                extra[key] = value
+            elif value is None:
+                if key in ("max_tokens", "seed", "logprobs"):
+                    kwargs[key] = None
+            else:
+                kwargs[key] = _coerce(key, value)
+        return cls(**kwargs, extra=extra)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    try:
+        if key in _BOOL_FIELDS:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return low in ("true", "1")
+            if not isinstance(value, (bool, int)):
+                raise ValueError
+            return bool(value)
+        if key in _INT_FIELDS:
+            if isinstance(value, bool):
+                if key == "logprobs":  # chat-style `logprobs: true`
+                    return 0 if value else None
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if key in _FLOAT_FIELDS:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if key == "stop":
+            if isinstance(value, str):
+                return (value,)
+            if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+                return tuple(value)
+            raise ValueError
+        if key == "stop_token_ids":
+            if isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                return tuple(value)
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid value for {key}: {value!r}") from None
+    raise ValueError(f"invalid value for {key}: {value!r}")

@@ -1,0 +1,168 @@
+"""Continuous batching over a token budget, with chunked prefill and preemption.
+
+Each step, in this order:
+1. running sequences (oldest first) get their next tokens — one for a decode, the rest of the
+   prompt (up to the budget) for a chunked prefill. When the pool is short, the most recently
+   admitted running sequence is preempted (recompute: blocks freed, re-queued first; swap: blocks
+   copied to the CPU area), possibly the sequence being scheduled itself;
+2. without a preemption this step, swapped sequences come back first (FIFO);
+3. then waiting sequences are admitted while `max_num_seqs`, the token budget and the pool allow;
+   a prompt longer than the remaining budget is split (chunked prefill), so decodes never stall
+   behind a long prompt. Prefix-cache hits skip the cached blocks.
+The result is a SchedulerOutput; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from .config import EngineConfig
+from .kv_cache import KVCacheManager
+from .request import SeqStatus, Sequence
+from .scheduler_output import ScheduledSeq, SchedulerOutput
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues and the KV block accounting."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running queue directly (its blocks are shared already)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence from whatever queue holds it and free its blocks at once."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            copies = None
+            while copies is None:
+                copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
+                if copies is None:
+                    victim = self.running.pop()  # the most recently admitted
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+            if copies is None:
+                break
+            out.blocks_to_copy.extend(copies)
+            self._emit(seq, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            sb = self.kv.seqs[seq.seq_id]
+            assert sb.cpu_blocks is not None
+            if self.kv.pool.num_free < len(sb.cpu_blocks) + 1:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.kv.swap_in(seq.seq_id))
+            num_new = len(seq.token_ids) - seq.num_computed
+            copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
+            assert copies is not None  # one free block was kept for it
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._emit(seq, num_new, out)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached, keys = self.kv.computed_prefix(seq.seq_id, seq.token_ids)
+            num_cached = len(cached) * bs
+            num_new = min(len(seq.token_ids) - num_cached, budget)
+            copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, cached, keys)
+            if copies is None:
+                break
+            self.kv.record_prefix_lookup(len(seq.token_ids), num_cached)
+            self.waiting.popleft()
+            seq.num_computed = num_cached
+            seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            self._emit(seq, num_new, out)
+            budget -= num_new
+
+    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        out.scheduled.append(
+            ScheduledSeq(
+                seq_id=seq.seq_id,
+                token_ids=seq.token_ids[start : start + num_new],
+                start_pos=start,
+                block_table=list(self.kv.block_table(seq.seq_id)),
+                sample=start + num_new == len(seq.token_ids),
+            )
+        )
+        seq.num_computed = start + num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        out.preempted.append(seq.seq_id)
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(seq.seq_id)
+            if pairs is not None:
+                out.blocks_to_swap_out.extend(pairs)
+                seq.status = SeqStatus.SWAPPED
+                self.swapped.append(seq)
+                return
+        self.kv.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "swapped": len(self.swapped),
+            "preemptions": self.num_preemptions,
+        }
