@@ -10,6 +10,7 @@ PA_INSTALL := ../shared/tools/perf-analyzer/install.sh
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q 'torch==2.13.0'  # pinned: the TorchScript tests' torch, a CPU build where one is on disk
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -43,8 +44,9 @@ model_repository/text_embedding/1/model.onnx: | $(VENV)/.bench-installed
 bench: $(VENV)/.bench-installed perf-analyzer model_repository/text_embedding/1/model.onnx  ## side-by-side benchmarks -> bench/results/
 	$(PY) -m bench.run
 
-models: $(VENV)/.installed  ## rebuild the example ONNX models (byte-identical)
+models: $(VENV)/.installed  ## rebuild the example models (byte-identical; the TorchScript one with torch 2.13.0)
 	$(PY) scripts/build_example_models.py
+	$(PY) scripts/build_torch_examples.py
 
 protos: $(VENV)/.installed  ## regenerate server/protocol from protos/
 	$(PY) scripts/gen_protos.py

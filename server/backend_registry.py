@@ -21,6 +21,7 @@ class BackendEntry:
 
 _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("onnxruntime", "onnxruntime_onnx", "backends.onnxruntime.backend", "model.onnx"),
+    BackendEntry("pytorch", "pytorch_libtorch", "backends.pytorch.backend", "model.pt"),
 )
 
 _BY_NAME: dict[str, BackendEntry] = {}

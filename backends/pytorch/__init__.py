@@ -1,0 +1,1 @@
+"""TorchScript backend (platform `pytorch_libtorch`, backend `pytorch`); needs pier[torch]."""
