@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with an NVIDIA GPU (run from the repository root; installs nothing).
-# Runs the GPU-only tests (ONNX Runtime CUDA / TensorRT execution providers) and prints a table.
-# Needs: python3 with Pier's dependencies and onnxruntime-gpu; tests skip, with the reason,
-# when a piece is missing, and the table says which.
+# Runs the GPU-only checks and prints a table: ONNX Runtime's CUDA / TensorRT execution
+# providers; a TensorRT engine built from the mlp_onnx example by scripts/build_trt_engine.py,
+# served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
+# compared with the CPU.
+# Needs: python3 with Pier's dependencies, onnxruntime-gpu, tensorrt and a CUDA build of torch
+# (pier[gpu]); checks skip, with the reason, when a piece is missing, and the table says which.
 #   bash scripts/gpu_check.sh [PYTHON]
 set -uo pipefail
 PY=${1:-python3}
@@ -17,14 +20,27 @@ for mod in ("onnxruntime", "tensorrt", "torch", "tritonclient.grpc", "orjson", "
         extra = ""
         if mod == "onnxruntime":
             extra = " providers=" + ",".join(m.get_available_providers())
+        if mod == "torch":
+            extra = f" cuda={m.cuda.is_available()} devices={m.cuda.device_count()}"
         print(f"{mod:20s} {getattr(m, '__version__', '?')}{extra}")
     except Exception as exc:
         print(f"{mod:20s} MISSING ({type(exc).__name__}: {exc})")
 PY
-"$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py > /tmp/pier_gpu_check.log 2>&1
+LOG=/tmp/pier_gpu_check.log
+"$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py tests/backends/test_tensorrt.py \
+    "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" > "$LOG" 2>&1
+# The engine builder's command line too (the tests call the same build_engine function).
+PLAN=/tmp/pier_gpu_check_mlp.plan
+if ! "$PY" -c "import tensorrt" 2>/dev/null; then
+    echo "SKIPPED scripts/build_trt_engine.py: no tensorrt package" >> "$LOG"
+elif "$PY" scripts/build_trt_engine.py model_repository/mlp_onnx/1/model.onnx "$PLAN" >> "$LOG" 2>&1; then
+    echo "PASSED scripts/build_trt_engine.py mlp_onnx -> $PLAN ($(stat -c %s "$PLAN") bytes)" >> "$LOG"
+else
+    echo "FAILED scripts/build_trt_engine.py mlp_onnx -> $PLAN" >> "$LOG"
+fi
 echo
 echo "| result | check |"
 echo "|---|---|"
-grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' /tmp/pier_gpu_check.log | sed -E 's/^([A-Z]+) (.*)$/| \1 | \2 |/'
-grep -qE '^(FAILED|ERROR)' /tmp/pier_gpu_check.log && { tail -40 /tmp/pier_gpu_check.log; exit 1; }
+grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' "$LOG" | sed -E 's/^([A-Z]+) (.*)$/| \1 | \2 |/'
+grep -qE '^(FAILED|ERROR)' "$LOG" && { tail -60 "$LOG"; exit 1; }
 exit 0

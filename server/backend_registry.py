@@ -22,6 +22,7 @@ class BackendEntry:
 _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("onnxruntime", "onnxruntime_onnx", "backends.onnxruntime.backend", "model.onnx"),
     BackendEntry("pytorch", "pytorch_libtorch", "backends.pytorch.backend", "model.pt"),
+    BackendEntry("tensorrt", "tensorrt_plan", "backends.tensorrt.backend", "model.plan"),
 )
 
 _BY_NAME: dict[str, BackendEntry] = {}

@@ -1,0 +1,1 @@
+"""TensorRT backend (platform `tensorrt_plan`, backend `tensorrt`); needs a GPU and pier[gpu]."""
