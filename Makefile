@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PA_DIR ?= $(HOME)/opt/perf-analyzer
 PA_INSTALL := ../shared/tools/perf-analyzer/install.sh
 
-.PHONY: serve test lint unit perf-analyzer models protos bench clean
+.PHONY: serve test lint unit perf-analyzer models pipeline protos bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ bench: $(VENV)/.bench-installed perf-analyzer model_repository/text_embedding/1/
 models: $(VENV)/.installed  ## rebuild the example models (byte-identical; the TorchScript one with torch 2.13.0)
 	$(PY) scripts/build_example_models.py
 	$(PY) scripts/build_torch_examples.py
+
+pipeline: $(VENV)/.installed  ## build text_embedding + tokenizer + the embed ensemble into model_repository/
+	HF_HUB_OFFLINE=1 $(PY) scripts/build_embed_pipeline.py
 
 protos: $(VENV)/.installed  ## regenerate server/protocol from protos/
 	$(PY) scripts/gen_protos.py

@@ -14,15 +14,32 @@ the output tensors for that request or a `PierError` that fails that request alo
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from server.errors import PierError
-from server.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
+from server.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
 
 BACKEND_API_VERSION = 1
+
+
+class ServerServices(Protocol):
+    """What the server offers backends that call other models (Triton's BLS). Requests go
+    through the data plane: validated, scheduled and counted like a client's."""
+
+    def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Blocking; call from a worker thread (never from the server's event loop)."""
+
+    def infer_stream(self, request: InferenceRequest) -> Iterator[InferenceResponse | PierError]:
+        """Blocking iterator over a (decoupled) model's responses (errors in-band)."""
+
+    async def infer_async(self, request: InferenceRequest) -> InferenceResponse:
+        """Awaitable from any event loop (a backend's own included)."""
+
+    def infer_stream_async(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
+        """Async iterator over a (decoupled) model's responses, from any event loop."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +50,8 @@ class ModelContext:
     version: int
     model_dir: Path  # <repository>/<model>
     version_dir: Path  # <repository>/<model>/<version>
+    config_json: str = "{}"  # the completed model configuration, as Triton's JSON
+    services: ServerServices | None = None
 
     @property
     def model_path(self) -> Path:
@@ -53,7 +72,17 @@ ExecuteResult = list[Tensor] | PierError
 
 
 class ModelInstance(abc.ABC):
-    """One loaded copy of a model that executes batches."""
+    """One loaded copy of a model that executes batches.
+
+    `may_run_on_event_loop`: a very fast instance may be run inline on the server's event loop
+    (see server/scheduling/instance_pool.py); instances that can block on the server (BLS
+    calls) must say False. `unbatched`: give `execute` the queued requests as they are, not
+    merged into one batch (Triton's python backend receives a list of requests). Decoupled
+    models send their responses through `InferenceRequest.response_sink` and return `[]` for
+    each request (or a PierError that fails it)."""
+
+    may_run_on_event_loop: ClassVar[bool] = True
+    unbatched: ClassVar[bool] = False
 
     @abc.abstractmethod
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:

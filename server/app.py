@@ -18,6 +18,7 @@ from server.frontends.http.app import build_app
 from server.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from server.repository.manager import RepositoryManager
 from server.repository.watcher import RepositoryWatcher
+from server.services import PlaneServices
 from server.settings import Settings
 
 log = logging.getLogger("pier")
@@ -121,6 +122,7 @@ async def serve(settings: Settings) -> int:
         log.error("failed to start: %s", exc)
         await server.shutdown()
         return 1
+    server.manager.services = PlaneServices(server.plane, loop)
     errors = await server.load_models()
     if errors and settings.exit_on_error:
         for e in errors:

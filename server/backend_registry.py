@@ -23,10 +23,13 @@ _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("onnxruntime", "onnxruntime_onnx", "backends.onnxruntime.backend", "model.onnx"),
     BackendEntry("pytorch", "pytorch_libtorch", "backends.pytorch.backend", "model.pt"),
     BackendEntry("tensorrt", "tensorrt_plan", "backends.tensorrt.backend", "model.plan"),
+    BackendEntry("python", "", "backends.python.backend", "model.py"),
 )
+# Ensembles have a platform and no backend: the server schedules their steps itself.
+ENSEMBLE = BackendEntry("", "ensemble", "", "")
 
 _BY_NAME: dict[str, BackendEntry] = {}
-for _e in _ENTRIES:
+for _e in (*_ENTRIES, ENSEMBLE):
     for _n in (_e.backend, _e.platform):
         if _n:
             _BY_NAME[_n] = _e

@@ -4,6 +4,7 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 from server import __version__
@@ -12,7 +13,7 @@ from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
 from server.scheduling.base import WorkItem
-from server.types import InferenceRequest, InferenceResponse
+from server.types import InferenceRequest, InferenceResponse, Tensor
 from server.validation import to_api_outputs, validate_request
 
 SERVER_NAME = "pier"
@@ -109,32 +110,92 @@ class DataPlane:
 
     # ---- inference -----------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    def is_decoupled(self, name: str, version: str = "") -> bool:
+        return self._model(name, version).spec.decoupled
+
+    def _admit(self, request: InferenceRequest) -> tuple[LoadedModel, int]:
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
         model = self._model(request.model_name, request.model_version)
-        spec = model.spec
-        if spec.decoupled:
-            raise unsupported(
-                f"model '{spec.name}' is decoupled: use the streaming API (gRPC ModelStreamInfer)"
-            )
         try:
-            batch = validate_request(spec, request)
+            batch = validate_request(model.spec, request)
         except PierError:
             model.stats.record_request(False, 0, reason="OTHER")
             raise
+        return model, batch
+
+    def _begin(self) -> None:
         self._inflight += 1
         self._idle.clear()
-        try:
-            result = await model.scheduler.enqueue(WorkItem(request, batch))
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-        if isinstance(result, PierError):
-            raise result
-        outputs = to_api_outputs(spec, result, batch)
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    @staticmethod
+    def _response(model: LoadedModel, request: InferenceRequest, result: list[Tensor], batch: int,
+                  parameters: dict[str, Any] | None = None) -> InferenceResponse:
+        outputs = to_api_outputs(model.spec, result, batch)
         if request.outputs:
             by_name = {t.name: t for t in outputs}
             outputs = [by_name[o.name] for o in request.outputs if o.name in by_name]
-        return InferenceResponse(spec.name, model.version_str, outputs, id=request.id)
+        return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,
+                                 parameters=parameters or {})
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """One request, one response (models that are not decoupled)."""
+        if self._exiting:
+            raise unavailable("Server exiting: no new inference requests are accepted")
+        if self._model(request.model_name, request.model_version).spec.decoupled:
+            raise unsupported(f"model '{request.model_name}' is decoupled: use the streaming API "
+                              "(gRPC ModelStreamInfer or HTTP generate_stream)")
+        model, batch = self._admit(request)
+        self._begin()
+        try:
+            result = await model.scheduler.enqueue(WorkItem(request, batch))
+        finally:
+            self._end()
+        if isinstance(result, PierError):
+            raise result
+        return self._response(model, request, result, batch)
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
+        """Every response of one request: one for ordinary models; for decoupled models each
+        response the model sends (errors in-band as PierError), the last one carrying
+        parameters["triton_final_response"] = True (with no outputs when the model sent its
+        final flag alone). Closing the iterator early cancels the request."""
+        model = self._model(request.model_name, request.model_version)
+        if not model.spec.decoupled:
+            yield await self.infer(request)
+            return
+        model, batch = self._admit(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()
+
+        def sink(result: Any, final: bool) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (result, final))
+
+        request.response_sink = sink
+        self._begin()
+        executed = asyncio.ensure_future(model.scheduler.enqueue(WorkItem(request, batch)))
+        executed.add_done_callback(lambda task: queue.put_nowait((task, False)))
+        try:
+            while True:
+                item, final = await queue.get()
+                if isinstance(item, asyncio.Future):
+                    outcome = item.result()
+                    if isinstance(outcome, PierError):  # the model failed this request
+                        yield outcome
+                        return
+                    continue
+                if isinstance(item, PierError):
+                    yield item
+                else:
+                    params = {"triton_final_response": final}
+                    yield self._response(model, request, list(item or []), batch, params)
+                if final:
+                    return
+        finally:
+            request.cancelled = True
+            self._end()

@@ -6,7 +6,7 @@ Tensor data is always a numpy array (object dtype of `bytes` for BYTES, uint16 b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,10 @@ class InferenceRequest:
     outputs: list[RequestedOutput] = field(default_factory=list)
     id: str = ""
     parameters: dict[str, ParamValue] = field(default_factory=dict)
+    # Decoupled models answer through this (from any thread): (outputs or a PierError or None,
+    # final). Set by the data plane for models with a decoupled transaction policy.
+    response_sink: Callable[[Any, bool], None] | None = None
+    cancelled: bool = False  # the client went away (decoupled streams): models may stop early
 
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]

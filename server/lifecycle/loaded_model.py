@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from backends.base import Backend, InstanceContext, ModelContext, ModelInstance
+from backends.base import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
 from server.errors import unavailable
 from server.repository.model_config import batching_policy
 from server.scheduling.base import Scheduler
 from server.scheduling.direct import DirectScheduler
 from server.scheduling.dynamic_batcher import DynamicBatcher
+from server.scheduling.ragged import BatchLayout
 from server.statistics import ModelStatistics
 from server.types import ModelSpec
 
@@ -33,9 +35,10 @@ class LoadedModel:
 
 
 def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir: Path,
-                     gpu_count: int) -> list[ModelInstance]:
+                     gpu_count: int, services: ServerServices | None = None) -> list[ModelInstance]:
     """Blocking: one backend instance per configured instance (KIND_GPU: per listed GPU)."""
-    ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version))
+    ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version),
+                       config_json=json.dumps(spec.config_json), services=services)
     instances: list[ModelInstance] = []
     try:
         for group in spec.instance_groups:
@@ -70,7 +73,7 @@ def build_loaded_model(spec: ModelSpec, config: Any, version: int,
     policy = batching_policy(config)
     scheduler: Scheduler
     if policy is None:
-        scheduler = DirectScheduler(instances, stats, name)
+        scheduler = DirectScheduler(instances, stats, name, BatchLayout.from_spec(spec))
     else:
         scheduler = DynamicBatcher(instances, stats, name, policy)
     return LoadedModel(spec, config, version, scheduler, stats)

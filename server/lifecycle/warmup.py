@@ -11,6 +11,8 @@ from backends.base import ModelInstance
 from server import datatypes
 from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
+from server.scheduling.batch import merge
+from server.scheduling.ragged import BatchLayout
 from server.types import InferenceRequest, ModelSpec, Tensor
 from server.validation import validate_request
 
@@ -62,6 +64,9 @@ def warm_up(config: mc.ModelConfig, spec: ModelSpec, model_dir: Path, instances:
             validate_request(spec, request)
         except PierError as exc:
             raise invalid_arg(f"warmup sample '{label}' is invalid: {exc.message}") from None
+        layout = BatchLayout.from_spec(spec)
+        if layout is not None:  # ragged inputs / batch_input: what the batcher would hand the backend
+            request = merge([request], layout)
         for instance in instances:
             for _ in range(max(sample.count, 1)):
                 results = instance.execute([request])

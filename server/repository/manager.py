@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends.base import ServerServices
 from server import backend_registry
 from server.errors import PierError, invalid_arg, not_found, unavailable
 from server.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
@@ -27,6 +28,8 @@ from server.lifecycle.warmup import warm_up
 from server.protocol import model_config_pb2 as mc
 from server.repository import model_config, source
 from server.repository.version_policy import select_versions
+from server.scheduling.ensemble import EnsembleScheduler, build_plan
+from server.statistics import ModelStatistics
 from server.types import ModelSignature, ModelSpec
 
 log = logging.getLogger("pier.repository")
@@ -140,6 +143,7 @@ class RepositoryManager:
         self._load_slots = asyncio.Semaphore(max(load_concurrency, 1))
         self._gpus = gpu_count()
         self._retiring: set[asyncio.Task] = set()
+        self.services: ServerServices | None = None  # set once the data plane exists (BLS, ensembles)
 
     def _record(self, name: str) -> ModelRecord:
         record = self._models.get(name)
@@ -566,11 +570,13 @@ class RepositoryManager:
                             config: mc.ModelConfig, path: Path, version: int) -> LoadedModel | str:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
+        if entry is backend_registry.ENSEMBLE:
+            return self._load_ensemble(spec, config, version)
         async with self._load_slots:
             try:
                 backend = backend_registry.get_backend(entry)
                 instances = await loop.run_in_executor(
-                    None, create_instances, backend, spec, version, path, self._gpus)
+                    None, create_instances, backend, spec, version, path, self._gpus, self.services)
             except PierError as exc:
                 return exc.message
             except Exception as exc:  # a backend failing to load must not take the server down
@@ -584,6 +590,28 @@ class RepositoryManager:
         model = build_loaded_model(spec, config, version, instances)
         model.load_duration_s = time.perf_counter() - start
         return model
+
+    def _load_ensemble(self, spec: ModelSpec, config: mc.ModelConfig, version: int) -> LoadedModel | str:
+        if self.services is None:
+            return "ensembles need the data plane, which is not running"
+        try:
+            plan = build_plan(config, spec, self._spec_of)
+        except PierError as exc:
+            return exc.message
+        stats = ModelStatistics()
+        return LoadedModel(spec, config, version, EnsembleScheduler(plan, self.services.infer_async, stats), stats)
+
+    def _spec_of(self, name: str, version: str) -> ModelSpec:
+        """The spec requests to (name, version) would use now (ensemble validation)."""
+        record = self._models.get(name)
+        ready = record.ready() if record is not None else {}
+        if not ready:
+            raise not_found(f"model '{name}' has no READY version")
+        if version:
+            if int(version) not in ready:
+                raise not_found(f"version {version} of model '{name}' is not READY")
+            return ready[int(version)].spec
+        return ready[max(ready)].spec
 
     def _retire(self, record: ModelRecord, version: int) -> None:
         """Stop routing to `version`; it finishes its in-flight requests, then unloads."""

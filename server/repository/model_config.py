@@ -82,13 +82,14 @@ def complete_config(
     entry = _resolve_backend(out, version_dirs, source, auto_complete)
     if not out.default_model_filename:
         out.default_model_filename = entry.default_model_filename
-    if auto_complete and (not out.input or not out.output):
+    if auto_complete and (not out.input or not out.output) and entry is not backend_registry.ENSEMBLE:
         _auto_complete_io(out, entry, version_dirs, describe, source)
     if not out.HasField("version_policy"):
         out.version_policy.latest.num_versions = 1
     elif out.version_policy.HasField("latest") and out.version_policy.latest.num_versions == 0:
         out.version_policy.latest.num_versions = 1
-    _complete_instance_groups(out)
+    if entry is not backend_registry.ENSEMBLE:  # an ensemble has no instances of its own
+        _complete_instance_groups(out)
     if out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size:
         if out.max_batch_size > 0:
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)

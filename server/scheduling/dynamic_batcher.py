@@ -248,7 +248,8 @@ class DynamicBatcher(Scheduler):
         seq = self._next_seq
         self._next_seq += 1
         try:
-            job = self._pool.submit([merge([p.item.request for p in batch], self._policy.layout)])
+            requests = [p.item.request for p in batch]
+            job = self._pool.submit(requests if self._pool.unbatched else [merge(requests, self._policy.layout)])
         except Exception as exc:  # the batch cannot be formed: fail its requests, nothing else
             err = exc if isinstance(exc, PierError) else internal(f"cannot form the batch: {exc}")
             now = time.perf_counter_ns()
@@ -261,9 +262,12 @@ class DynamicBatcher(Scheduler):
         self._executing -= len(batch)
         job: JobResult = fut.result()
         sizes = [p.item.batch_size for p in batch]
-        if len(job.results) != 1:
-            results: list[ExecuteResult] = [internal(f"backend returned {len(job.results)} results for 1 batch")] * len(
-                batch)
+        results: list[ExecuteResult]
+        if self._pool.unbatched and len(job.results) == len(batch):
+            results = list(job.results)
+        elif self._pool.unbatched or len(job.results) != 1:
+            expected = len(batch) if self._pool.unbatched else 1
+            results = [internal(f"backend returned {len(job.results)} results for {expected}")] * len(batch)
         else:
             results = split(job.results[0], sizes, [p.item.request for p in batch], self._policy.layout)
         done = time.perf_counter_ns()

@@ -46,6 +46,8 @@ class InstancePool:
     def __init__(self, instances: list[ModelInstance], name: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._slots = [(inst, threading.Lock()) for inst in instances]
+        self._inline_ok = all(inst.may_run_on_event_loop for inst in instances)
+        self.unbatched = any(inst.unbatched for inst in instances)  # execute() takes the requests as they are
         self._avg_ns = float(INLINE_BELOW_NS * 10)
         self._observed = 0
         self._threads = [
@@ -72,7 +74,7 @@ class InstancePool:
         """Queue a job (or run it inline, see the module doc); the future resolves on the loop."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if self._observed >= _WARMUP and self._avg_ns < INLINE_BELOW_NS and self._jobs.empty():
+        if self._inline_ok and self._observed >= _WARMUP and self._avg_ns < INLINE_BELOW_NS and self._jobs.empty():
             for instance, lock in self._slots:
                 if lock.acquire(blocking=False):
                     try:

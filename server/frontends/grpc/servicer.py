@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
-from server.errors import PierError, unsupported
+from server.errors import ErrorCode, PierError, unsupported
 from server.frontends.grpc import codec
 from server.frontends.grpc.errors import grpc_code
 from server.protocol import grpc_service_pb2 as pb
@@ -125,42 +125,87 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Requests run concurrently, answers (or in-band errors) go back in request order, as
-        Triton's do; each carries the request id and `triton_final_response`."""
-        order: asyncio.Queue[asyncio.Task[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
+        """Requests run concurrently. Answers of ordinary models go back in request order with
+        `triton_final_response`; decoupled models' responses go out as they are produced (the
+        empty final one only when the request sets `triton_enable_empty_final_response`). Errors
+        are in-band (`error_message`), each carrying the request id."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
 
-        async def run(req: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+        def error(req: pb.ModelInferRequest, exc: PierError) -> pb.ModelStreamInferResponse:
+            err = pb.ModelStreamInferResponse(error_message=exc.message)
+            err.infer_response.id = req.id
+            return err
+
+        async def run(req: pb.ModelInferRequest, after: asyncio.Future, mine: asyncio.Future) -> None:
             try:
-                resp = codec.encode_response(await self.plane.infer(codec.decode_request(req)))
-            except PierError as exc:
-                err = pb.ModelStreamInferResponse(error_message=exc.message)
-                err.infer_response.id = req.id
-                return err
-            resp.parameters["triton_final_response"].bool_param = True
-            return pb.ModelStreamInferResponse(infer_response=resp)
+                try:
+                    request = codec.decode_request(req)
+                    decoupled = self.plane.is_decoupled(request.model_name, request.model_version)
+                except PierError as exc:
+                    await after
+                    out.put_nowait(error(req, exc))
+                    return
+                if not decoupled:
+                    try:
+                        resp = codec.encode_response(await self.plane.infer(request))
+                        resp.parameters["triton_final_response"].bool_param = True
+                        message = pb.ModelStreamInferResponse(infer_response=resp)
+                    except PierError as exc:
+                        message = error(req, exc)
+                    await after
+                    out.put_nowait(message)
+                    return
+
+                def chain(_: asyncio.Future) -> None:  # later ordered answers wait only for earlier ones
+                    if not mine.done():
+                        mine.set_result(None)
+
+                after.add_done_callback(chain)
+                empty_final = request.parameters.get("triton_enable_empty_final_response") is True
+                async for item in self.plane.infer_stream(request):
+                    if isinstance(item, PierError):
+                        out.put_nowait(error(req, item))
+                        continue
+                    final = bool(item.parameters.get("triton_final_response"))
+                    if final and not item.outputs and not empty_final:
+                        continue
+                    resp = codec.encode_response(item)
+                    resp.parameters["triton_final_response"].bool_param = final
+                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
+            except Exception as exc:  # never lose the stream over one request
+                log.exception("stream request failed")
+                out.put_nowait(error(req, PierError(ErrorCode.INTERNAL, f"internal error: {exc}")))
+            finally:
+                if not after.done():
+                    await after
+                if not mine.done():
+                    mine.set_result(None)
 
         async def read() -> None:
+            previous: asyncio.Future = loop.create_future()
+            previous.set_result(None)
             try:
                 async for req in request_iterator:
-                    await order.put(asyncio.ensure_future(run(req)))
+                    mine: asyncio.Future = loop.create_future()
+                    task = asyncio.ensure_future(run(req, previous, mine))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    previous = mine
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
             finally:
-                await order.put(None)
+                out.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
-        pending: list[asyncio.Task[pb.ModelStreamInferResponse]] = []
         try:
-            while (task := await order.get()) is not None:
-                pending.append(task)
-                yield await task
-                pending.pop()
+            while (message := await out.get()) is not None:
+                yield message
         finally:
             reader.cancel()
-            for t in pending:
+            for t in list(tasks):
                 t.cancel()
-            while not order.empty():
-                leftover = order.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
 
     SystemSharedMemoryStatus = _not_yet("SystemSharedMemoryStatus (system shared memory)")
     SystemSharedMemoryRegister = _not_yet("SystemSharedMemoryRegister (system shared memory)")

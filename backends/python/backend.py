@@ -1,0 +1,151 @@
+"""Triton's python backend contract (`backend: "python"`, file `model.py`): a class
+`TritonPythonModel` with `initialize(args)`, `execute(requests)` -> responses (or None for
+decoupled models, which answer through response senders), `finalize()`; models import
+`triton_python_backend_utils` (backends/python/triton_python_backend_utils.py).
+
+Where models run: in the server process, each instance on its own worker thread (Triton runs a
+stub process per instance). In-process costs no copies or IPC on each request and makes BLS a
+direct call into the data plane; the price is isolation: a model that crashes the interpreter
+(a segfault in a C extension) takes the server with it, and models share the GIL with the
+server. A model that raises, returns errors or wrong counts fails only its own requests.
+`execute` may be `async def` (each instance keeps its own event loop for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from backends.python import triton_python_backend_utils as pb_utils
+from backends.python.bls import error_of, to_pb_request, to_pier_tensor
+from server.errors import internal, invalid_arg, unavailable
+from server.types import InferenceRequest
+
+sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+_import_lock = threading.Lock()
+_counter = 0
+
+
+def _load_module(path: Path, model: str) -> Any:
+    global _counter
+    with _import_lock:
+        _counter += 1
+        name = f"pier_python_model_{_counter}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise unavailable(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
+        folder = str(path.parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # as Triton: model.py may import its siblings
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise unavailable(f"failed to import {path} for model '{model}': {type(exc).__name__}: {exc}") from None
+    return module
+
+
+class PythonInstance(ModelInstance):
+    may_run_on_event_loop = False  # execute may block on BLS calls into the server
+    unbatched = True  # Triton hands execute() the list of requests, never a merged batch
+
+    def __init__(self, ctx: ModelContext, where: InstanceContext) -> None:
+        self._ctx = ctx
+        self._spec = ctx.spec
+        self._decoupled = ctx.spec.decoupled
+        self._out_types = {t.name: t.datatype for t in ctx.spec.outputs}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        path = ctx.model_path
+        if not path.is_file():
+            raise unavailable(f"python model '{ctx.spec.name}' has no {path.name} in {path.parent}")
+        module = _load_module(path, ctx.spec.name)
+        cls = getattr(module, "TritonPythonModel", None)
+        if cls is None:
+            raise unavailable(f"{path} defines no class TritonPythonModel")
+        self._model = cls()
+        args = {
+            "model_config": ctx.config_json,
+            "model_instance_kind": "GPU" if where.kind == "KIND_GPU" else "CPU",
+            "model_instance_name": where.name,
+            "model_instance_device_id": str(where.device_id or 0),
+            "model_repository": str(ctx.model_dir),
+            "model_version": str(ctx.version),
+            "model_name": ctx.spec.name,
+        }
+        if hasattr(self._model, "initialize"):
+            try:
+                self._call(self._model.initialize, args)
+            except Exception as exc:
+                raise unavailable(f"initialize() of python model '{ctx.spec.name}' failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        result = fn(*args)
+        if inspect.iscoroutine(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            result = self._loop.run_until_complete(result)
+        return result
+
+    def _to_result(self, response: Any) -> ExecuteResult:
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return internal(f"python model '{self._spec.name}' returned {type(response).__name__}, "
+                            "expected pb_utils.InferenceResponse")
+        if response.has_error():
+            return error_of(response.error())
+        try:
+            return [to_pier_tensor(t, self._out_types.get(t.name())) for t in response.output_tensors()]
+        except Exception as exc:
+            return internal(f"python model '{self._spec.name}' returned an unusable tensor: {exc}")
+
+    def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        pb_requests = [to_pb_request(r) for r in requests]
+        for r in pb_requests:
+            r._to_result = self._to_result
+        try:
+            responses = self._call(self._model.execute, pb_requests)
+        except Exception as exc:
+            message = (f"Failed to process the request(s) for model '{self._spec.name}', message: "
+                       f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, pb_utils.TritonModelException):
+                message = f"Failed to process the request(s) for model '{self._spec.name}', message: {exc}"
+            return [internal(message)] * len(requests)
+        if self._decoupled:
+            if responses is not None:
+                return [invalid_arg(f"decoupled python model '{self._spec.name}' must return None from "
+                                    "execute() and answer through response senders")] * len(requests)
+            return [[] for _ in requests]
+        if responses is None or len(responses) != len(requests):
+            got = "None" if responses is None else str(len(responses))
+            return [internal(f"python model '{self._spec.name}' returned {got} responses for "
+                             f"{len(requests)} requests")] * len(requests)
+        return [self._to_result(resp) for resp in responses]
+
+    def close(self) -> None:
+        if hasattr(self._model, "finalize"):
+            try:
+                self._call(self._model.finalize)
+            except Exception:  # finalize failing must not stop the unload
+                pass
+        if self._loop is not None:
+            self._loop.close()
+
+
+class PythonBackend(Backend):
+    name = "python"
+    default_model_filename = "model.py"
+
+    def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
+        if model.services is not None:
+            pb_utils._services = model.services
+        return PythonInstance(model, instance)
+
+
+BACKEND = PythonBackend()

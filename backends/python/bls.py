@@ -1,0 +1,80 @@
+"""Conversions between pb_utils objects and Pier's internal request/response types (BLS calls
+and the requests a Python model executes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backends.python import triton_python_backend_utils as pb_utils
+from server.errors import ErrorCode, PierError
+from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+_CODES = {
+    pb_utils.TritonError.UNKNOWN: ErrorCode.UNKNOWN, pb_utils.TritonError.INTERNAL: ErrorCode.INTERNAL,
+    pb_utils.TritonError.NOT_FOUND: ErrorCode.NOT_FOUND, pb_utils.TritonError.INVALID_ARG: ErrorCode.INVALID_ARG,
+    pb_utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE, pb_utils.TritonError.UNSUPPORTED: ErrorCode.UNSUPPORTED,
+    pb_utils.TritonError.ALREADY_EXISTS: ErrorCode.ALREADY_EXISTS,
+    pb_utils.TritonError.CANCELLED: ErrorCode.CANCELLED,
+}
+_PB_CODES = {v: k for k, v in _CODES.items()}
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """KServe datatype for a numpy array a model produced (object/str/bytes arrays are BYTES)."""
+    kind = array.dtype.kind
+    if kind in ("O", "S", "U"):
+        return "BYTES"
+    name = pb_utils.numpy_to_triton_type(array.dtype)
+    return name[len("TYPE_"):]
+
+
+def to_pier_tensor(t: pb_utils.Tensor, datatype: str | None = None) -> Tensor:
+    data = t.as_numpy()
+    dt = datatype or datatype_of(data)
+    if dt == "BYTES" and data.dtype != np.object_:
+        data = data.astype(object)
+    return Tensor(t.name(), dt, list(data.shape), data)
+
+
+def to_server_request(r: pb_utils.InferenceRequest) -> InferenceRequest:
+    """A BLS request, as the data plane takes it."""
+    if not r.model_name():
+        raise pb_utils.TritonModelException("a BLS InferenceRequest needs a model_name")
+    version = "" if r.model_version() < 0 else str(r.model_version())
+    params: dict[str, Any] = dict(r._parameters)
+    if r.timeout():
+        params["timeout"] = int(r.timeout())
+    return InferenceRequest(r.model_name(), version, [to_pier_tensor(t) for t in r.inputs()],
+                            [RequestedOutput(n) for n in r.requested_output_names()], id=r.request_id(),
+                            parameters=params)
+
+
+def to_pb_request(request: InferenceRequest) -> pb_utils.InferenceRequest:
+    """A request a Python model executes."""
+    params = {k: v for k, v in request.parameters.items()}
+    out = pb_utils.InferenceRequest(
+        request.model_name, [pb_utils.Tensor(t.name, t.data) for t in request.inputs],
+        request.output_names(), correlation_id=params.get("sequence_id", 0), request_id=request.id,
+        flags=(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0)
+        | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0),
+        timeout=int(params.get("timeout", 0) or 0),
+        model_version=int(request.model_version) if request.model_version.isdigit() else -1,
+        parameters={k: v for k, v in params.items()
+                    if k not in ("sequence_id", "sequence_start", "sequence_end", "timeout", "priority")})
+    out._server_request = request
+    return out
+
+
+def to_pb_response(item: InferenceResponse | BaseException) -> pb_utils.InferenceResponse:
+    if isinstance(item, PierError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(item.message, _PB_CODES.get(item.code, 1)))
+    if isinstance(item, BaseException):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(item)))
+    tensors = [pb_utils.Tensor(t.name, t.data) for t in item.outputs]
+    return pb_utils.InferenceResponse(tensors, parameters={k: v for k, v in item.parameters.items()})
+
+
+def error_of(err: pb_utils.TritonError) -> PierError:
+    return PierError(_CODES.get(err.code(), ErrorCode.INTERNAL), err.message())

@@ -1,0 +1,348 @@
+"""`import triton_python_backend_utils as pb_utils`: the utility module of Triton's python
+backend, as its documentation defines it, so a model.py written for Triton runs on Pier
+unchanged. Pier registers this module under that name in sys.modules before loading models.
+
+Implemented: Tensor (numpy and DLPack), InferenceRequest (inputs, requested outputs, ids,
+parameters, response sender, cancellation; and as a BLS request: exec / async_exec, decoupled
+too), InferenceResponse, InferenceResponseSender, TritonError, TritonModelException, the
+get_*_by_name helpers, type conversions, the decoupled-policy check, and Logger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+_log = logging.getLogger("pier.python_model")
+_services: Any = None  # backends.base.ServerServices, set by the python backend
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+class TritonError:
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message = str(message)
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, code={self._code})"
+
+
+class TritonModelException(Exception):
+    """Raised by pb_utils calls that fail (e.g. a BLS request to an unknown model)."""
+
+    def message(self) -> str:
+        return str(self)
+
+
+# ---- tensors ----------------------------------------------------------------------------------
+
+_TRITON_TO_NUMPY: dict[str, Any] = {
+    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_, "TYPE_BF16": np.uint16,
+}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> Any:
+    """'TYPE_FP32' (as in model_config JSON) -> numpy dtype."""
+    return _TRITON_TO_NUMPY[triton_type_string]
+
+
+def numpy_to_triton_type(data_type: Any) -> str:
+    """numpy dtype -> 'TYPE_...' string."""
+    dt = np.dtype(data_type)
+    if dt.kind in ("O", "S", "U"):
+        return "TYPE_STRING"
+    for name, np_type in _TRITON_TO_NUMPY.items():
+        if name != "TYPE_BF16" and np.dtype(np_type) == dt:
+            return name
+    raise TritonModelException(f"unsupported numpy type {dt}")
+
+
+class Tensor:
+    def __init__(self, name: str, data: Any) -> None:
+        if not isinstance(data, np.ndarray):
+            data = np.asarray(data)
+        if data.dtype.kind in ("S", "U"):
+            data = np.array([v.encode() if isinstance(v, str) else bytes(v) for v in data.reshape(-1)],
+                            dtype=object).reshape(data.shape)
+        self._name = name
+        self._data = data
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._data
+
+    def shape(self) -> list[int]:
+        return list(self._data.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        if self._data.dtype == np.object_:
+            raise TritonModelException("BYTES tensors cannot be exported with DLPack")
+        return self._data.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, capsule: Any) -> Tensor:
+        """From an object with __dlpack__ (a torch tensor, a numpy array) or a DLPack capsule."""
+        if hasattr(capsule, "__dlpack__"):
+            if hasattr(capsule, "cpu") and hasattr(capsule, "numpy"):  # torch: avoid the capsule dance
+                return Tensor(name, capsule.detach().cpu().numpy())
+            return Tensor(name, np.from_dlpack(capsule))
+        import torch  # a raw capsule: torch knows how to read one
+
+        return Tensor(name, torch.utils.dlpack.from_dlpack(capsule).cpu().numpy())
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._data.dtype})"
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+class InferenceResponse:
+    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: dict[str, Any] | str | None = None) -> None:
+        self._outputs = list(output_tensors or [])
+        self._error = error
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class InferenceResponseSender:
+    """Decoupled models send any number of responses per request, then the FINAL flag."""
+
+    def __init__(self, request: InferenceRequest) -> None:
+        self._request = request
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException("a response is required unless the flags say COMPLETE_FINAL")
+        self._closed = final
+        self._request._send(response, final)
+
+    def is_cancelled(self) -> bool:
+        return self._request.is_cancelled()
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+class InferenceRequest:
+    """A request a model executes, or (constructed by model code) a BLS request to another model."""
+
+    def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
+                 requested_output_names: list[str] | None = None, correlation_id: int | str = 0,
+                 request_id: str = "", flags: int = 0, timeout: int = 0, model_version: int = -1,
+                 preferred_memory: Any = None, trace: Any = None,
+                 parameters: dict[str, Any] | str | None = None) -> None:
+        self._model_name = model_name
+        self._inputs = list(inputs or [])
+        self._requested = list(requested_output_names or [])
+        self._correlation_id = correlation_id
+        self._request_id = request_id
+        self._flags = flags
+        self._timeout = timeout
+        self._model_version = model_version
+        if isinstance(parameters, str):
+            parameters = json.loads(parameters) if parameters else {}
+        self._parameters: dict[str, Any] = dict(parameters or {})
+        self._server_request: Any = None  # server.types.InferenceRequest, for requests we execute
+        self._to_result: Any = None  # response -> backend result (set by the backend)
+        self._sender: InferenceResponseSender | None = None
+
+    # what a model reads from a request it executes
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+    def is_cancelled(self) -> bool:
+        return bool(self._server_request is not None and self._server_request.cancelled)
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._server_request is None or self._server_request.response_sink is None:
+            raise TritonModelException("get_response_sender() is only available to decoupled models "
+                                       "(model_transaction_policy { decoupled: true })")
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self)
+        return self._sender
+
+    def set_release_flags(self, flags: int) -> None:  # rescheduling is not supported: accepted, ignored
+        pass
+
+    def _send(self, response: InferenceResponse | None, final: bool) -> None:
+        sink = self._server_request.response_sink
+        sink(None if response is None else self._to_result(response), final)
+
+    # BLS
+    def exec(self, decoupled: bool = False) -> InferenceResponse | Iterator[InferenceResponse]:
+        """Run this request on another loaded model and wait (Triton's BLS)."""
+        services = _require_services()
+        from backends.python.bls import to_pb_response, to_server_request
+
+        request = to_server_request(self)
+        if decoupled:
+            return (to_pb_response(item) for item in services.infer_stream(request))
+        try:
+            return to_pb_response(services.infer(request))
+        except Exception as exc:  # errors come back in the response, as in Triton
+            return to_pb_response(exc)
+
+    def async_exec(self, decoupled: bool = False) -> Any:
+        """Awaitable form of exec, for `async def execute`."""
+        services = _require_services()
+        from backends.python.bls import to_pb_response, to_server_request
+
+        request = to_server_request(self)
+        if decoupled:  # awaited, it gives every response (the last one may be empty: the final flag)
+            async def collect() -> list[InferenceResponse]:
+                return [to_pb_response(item) async for item in services.infer_stream_async(request)]
+            return collect()
+
+        async def one() -> InferenceResponse:
+            try:
+                return to_pb_response(await services.infer_async(request))
+            except Exception as exc:
+                return to_pb_response(exc)
+        return one()
+
+
+def _require_services() -> Any:
+    if _services is None:
+        raise TritonModelException("BLS requests can only be executed inside a running server")
+    return _services
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    for t in request.inputs():
+        if t.name() == name:
+            return t
+    return None
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    for t in response.output_tensors():
+        if t.name() == name:
+            return t
+    return None
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for cfg in model_config.get("input", []):
+        if cfg.get("name") == name:
+            return cfg
+    return None
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for cfg in model_config.get("output", []):
+        if cfg.get("name") == name:
+            return cfg
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+class Logger:
+    """pb_utils.Logger.log_info("...") etc.; goes to the server's log."""
+
+    class LogLevel:
+        INFO = 0
+        WARNING = 1
+        ERROR = 2
+        VERBOSE = 3
+
+    @staticmethod
+    def log(message: str, level: int = 0) -> None:
+        _log.log({0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}.get(level, logging.INFO),
+                 "%s", message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        _log.info("%s", message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        _log.warning("%s", message)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        _log.error("%s", message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        _log.debug("%s", message)
+
+
+LogLevel = Logger.LogLevel

@@ -1,0 +1,223 @@
+"""Ensembles (`platform: "ensemble"`): the graph is checked when the ensemble loads, and each
+request runs it as a data flow: a step starts as soon as every tensor it reads exists, so
+independent steps run concurrently, and each step is an ordinary request to its model through
+the data plane (so it batches with that model's other traffic and counts in its statistics).
+A step with `model_version: -1` calls whatever version the composing model routes to now."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from backends.base import ExecuteResult
+from server.errors import PierError, invalid_arg, unavailable
+from server.protocol import model_config_pb2 as mc
+from server.scheduling.base import Scheduler, WorkItem
+from server.statistics import ModelStatistics
+from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
+
+Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
+SpecLookup = Callable[[str, str], ModelSpec]  # (model, version or "") -> spec; raises PierError
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int
+    model: str
+    version: str  # "" = the version the model routes to when the request runs
+    inputs: tuple[tuple[str, str], ...]  # (model input, ensemble tensor)
+    outputs: tuple[tuple[str, str], ...]  # (model output, ensemble tensor)
+
+    @property
+    def label(self) -> str:
+        return f"step {self.index} (model '{self.model}')"
+
+
+@dataclass(frozen=True)
+class EnsemblePlan:
+    name: str
+    steps: tuple[Step, ...]
+    outputs: tuple[tuple[str, str], ...]  # (ensemble output, datatype)
+
+
+def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
+
+
+def build_plan(config: mc.ModelConfig, spec: ModelSpec, lookup: SpecLookup) -> EnsemblePlan:
+    """Check the graph (every tensor produced once, every step input available, no cycles,
+    datatypes and shapes agree) and return the plan. Errors name the step and the tensor."""
+    name = spec.name
+
+    def fail(problem: str) -> PierError:
+        return invalid_arg(f"ensemble '{name}': {problem}")
+
+    raw_steps = list(config.ensemble_scheduling.step)
+    if not raw_steps:
+        raise fail("ensemble_scheduling has no step")
+    # tensor -> (who produces it, datatype, dims, batches)
+    produced: dict[str, tuple[str, str, tuple[int, ...]]] = {
+        t.name: ("the ensemble input", t.datatype, t.dims) for t in spec.inputs}
+    steps: list[Step] = []
+    specs: list[ModelSpec] = []
+    for i, raw in enumerate(raw_steps, start=1):
+        step = Step(i, raw.model_name, "" if raw.model_version <= 0 else str(raw.model_version),
+                    tuple(sorted(raw.input_map.items())), tuple(sorted(raw.output_map.items())))
+        if not step.model:
+            raise fail(f"step {i} names no model")
+        try:
+            m = lookup(step.model, step.version)
+        except PierError as exc:
+            raise fail(f"{step.label}: the model is not available: {exc.message}") from None
+        if spec.max_batch_size > 0 and m.max_batch_size == 0:
+            raise fail(f"{step.label}: the ensemble batches (max_batch_size {spec.max_batch_size}) but the model "
+                       "does not (max_batch_size 0)")
+        for model_input, _ in step.inputs:
+            if m.input(model_input) is None:
+                raise fail(f"{step.label}: the model has no input '{model_input}'")
+        mapped = {k for k, _ in step.inputs}
+        missing = [t.name for t in m.inputs if not t.optional and t.name not in mapped]
+        if missing:
+            raise fail(f"{step.label}: model input '{missing[0]}' is not mapped to any ensemble tensor")
+        for model_output, tensor in step.outputs:
+            out = m.output(model_output)
+            if out is None:
+                raise fail(f"{step.label}: the model has no output '{model_output}'")
+            if tensor in produced:
+                raise fail(f"tensor '{tensor}' is produced more than once: by {produced[tensor][0]} and by "
+                           f"{step.label}")
+            produced[tensor] = (step.label, out.datatype, out.dims)
+        steps.append(step)
+        specs.append(m)
+    for step, m in zip(steps, specs):
+        for model_input, tensor in step.inputs:
+            if tensor not in produced:
+                raise fail(f"{step.label}: input '{model_input}' reads tensor '{tensor}', which no step and no "
+                           "ensemble input produces")
+            who, datatype, dims = produced[tensor]
+            want = m.input(model_input)
+            assert want is not None
+            if datatype != want.datatype:
+                raise fail(f"{step.label}: input '{model_input}' expects {want.datatype} but tensor '{tensor}' "
+                           f"from {who} is {datatype}")
+            if not _dims_agree(dims, want.dims):
+                raise fail(f"{step.label}: input '{model_input}' expects dims {list(want.dims)} but tensor "
+                           f"'{tensor}' from {who} has dims {list(dims)}")
+    outputs = []
+    for t in spec.outputs:
+        if t.name not in produced or produced[t.name][0] == "the ensemble input":
+            raise fail(f"ensemble output '{t.name}' is not produced by any step")
+        who, datatype, dims = produced[t.name]
+        if datatype != t.datatype:
+            raise fail(f"ensemble output '{t.name}' is {t.datatype} but {who} produces {datatype}")
+        if not _dims_agree(dims, t.dims):
+            raise fail(f"ensemble output '{t.name}' has dims {list(t.dims)} but {who} produces {list(dims)}")
+        outputs.append((t.name, t.datatype))
+    _check_acyclic(steps, fail)
+    return EnsemblePlan(name, tuple(steps), tuple(outputs))
+
+
+def _check_acyclic(steps: list[Step], fail: Callable[[str], PierError]) -> None:
+    producer = {tensor: s for s in steps for _, tensor in s.outputs}
+    state: dict[int, int] = {}  # 1 visiting, 2 done
+
+    def visit(s: Step, path: list[str]) -> None:
+        if state.get(s.index) == 2:
+            return
+        if state.get(s.index) == 1:
+            raise fail("the steps form a cycle: " + " -> ".join(path))
+        state[s.index] = 1
+        for _, tensor in s.inputs:
+            p = producer.get(tensor)
+            if p is not None:
+                visit(p, [*path, f"tensor '{tensor}' from {p.label}"])
+        state[s.index] = 2
+
+    for s in steps:
+        visit(s, [s.label])
+
+
+class EnsembleScheduler(Scheduler):
+    def __init__(self, plan: EnsemblePlan, infer: Infer, stats: ModelStatistics) -> None:
+        self._plan = plan
+        self._infer = infer
+        self._stats = stats
+        self._inflight = 0
+        self._stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def enqueue(self, item: WorkItem) -> ExecuteResult:
+        if self._stopping:
+            raise unavailable("model is unloading: no new requests are accepted")
+        self._inflight += 1
+        self._idle.clear()
+        start = time.perf_counter_ns()
+        try:
+            result = await self._run(item.request)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        done = time.perf_counter_ns()
+        ok = not isinstance(result, PierError)
+        if ok:
+            self._stats.record_execution(item.batch_size, 0, done - start, 0)
+        self._stats.record_request(ok, done - item.enqueued_ns, start - item.enqueued_ns, 0, done - start, 0,
+                                   reason=None if ok else "BACKEND")
+        return result
+
+    async def _run(self, request: InferenceRequest) -> ExecuteResult:
+        tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
+        waiting = list(self._plan.steps)
+        running: dict[asyncio.Task, Step] = {}
+        try:
+            while waiting or running:
+                for step in [s for s in waiting if all(t in tensors for _, t in s.inputs)]:
+                    waiting.remove(step)
+                    running[asyncio.ensure_future(self._infer(self._step_request(step, request, tensors)))] = step
+                if not running:
+                    return invalid_arg(f"ensemble '{self._plan.name}': "
+                                       f"{waiting[0].label} never received its inputs")
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    step = running.pop(task)
+                    try:
+                        response = task.result()
+                    except PierError as exc:
+                        return PierError(exc.code, f"ensemble '{self._plan.name}' {step.label} failed: "
+                                                   f"{exc.message}")
+                    by_name = {t.name: t for t in response.outputs}
+                    for model_output, tensor in step.outputs:
+                        out = by_name.get(model_output)
+                        if out is not None:
+                            tensors[tensor] = Tensor(tensor, out.datatype, list(out.shape), out.data)
+        finally:
+            for task in running:
+                task.cancel()
+        missing = [name for name, _ in self._plan.outputs if name not in tensors]
+        if missing:
+            return invalid_arg(f"ensemble '{self._plan.name}': output '{missing[0]}' was not produced")
+        return [tensors[name] for name, _ in self._plan.outputs]
+
+    @staticmethod
+    def _step_request(step: Step, request: InferenceRequest, tensors: dict[str, Tensor]) -> InferenceRequest:
+        inputs = []
+        for model_input, tensor in step.inputs:
+            t = tensors[tensor]
+            inputs.append(Tensor(model_input, t.datatype, list(t.shape), t.data))
+        params = {k: v for k, v in request.parameters.items() if k in ("priority", "timeout")}
+        return InferenceRequest(step.model, step.version, inputs, [RequestedOutput(o) for o, _ in step.outputs],
+                                id=request.id, parameters=params)
+
+    def inflight_count(self) -> int:
+        return self._inflight
+
+    def pending_count(self) -> int:
+        return 0
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self._idle.wait()

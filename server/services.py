@@ -1,0 +1,64 @@
+"""The data plane as backends see it (backends.base.ServerServices): what a Python model's BLS
+calls and other model-calling backends use. Requests go through DataPlane.infer like a
+client's; blocking forms are for worker threads, async forms work from any event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from server.data_plane import DataPlane
+from server.errors import PierError, internal
+from server.types import InferenceRequest, InferenceResponse
+
+_END = object()
+
+
+class PlaneServices:
+    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop) -> None:
+        self._plane = plane
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            raise internal("a blocking model call (BLS exec) cannot run on the server's event loop")
+
+    def infer(self, request: InferenceRequest) -> InferenceResponse:
+        self._check_thread()
+        return asyncio.run_coroutine_threadsafe(self._plane.infer(request), self._loop).result()
+
+    async def _pump(self, request: InferenceRequest, put: Any) -> None:
+        try:
+            async for item in self._plane.infer_stream(request):
+                put(item)
+        except PierError as exc:
+            put(exc)
+        finally:
+            put(_END)
+
+    def infer_stream(self, request: InferenceRequest) -> Iterator[InferenceResponse | PierError]:
+        self._check_thread()
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        asyncio.run_coroutine_threadsafe(self._pump(request, items.put), self._loop)
+        while (item := items.get()) is not _END:
+            yield item
+
+    async def infer_async(self, request: InferenceRequest) -> InferenceResponse:
+        if asyncio.get_running_loop() is self._loop:
+            return await self._plane.infer(request)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._plane.infer(request), self._loop))
+
+    async def infer_stream_async(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            caller.call_soon_threadsafe(items.put_nowait, item)
+
+        asyncio.run_coroutine_threadsafe(self._pump(request, put), self._loop)
+        while (item := await items.get()) is not _END:
+            yield item

@@ -1,0 +1,166 @@
+"""Python models written only against Triton's documented python-backend API
+(tests/python_models/) serve unchanged: plain execute, BLS (sync and async_exec), decoupled
+streaming over gRPC ModelStreamInfer, errors that fail only their own request, and dynamic
+batching handing execute() a list of requests."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, start_pier
+
+PY_MODELS = ROOT / "tests" / "python_models"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("py") / "repo"
+    shutil.copytree(PY_MODELS, repo)
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    proc = start_pier([repo], log_path=repo.parent / "pier.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    assert "Cleaning up..." in proc.log()  # finalize() ran at unload
+
+
+def add_sub_inputs(mod, a: np.ndarray, b: np.ndarray) -> list:
+    inputs = [mod.InferInput("INPUT0", [4], "FP32"), mod.InferInput("INPUT1", [4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_add_sub_python_model(server: PierProcess, mod) -> None:
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    a, b = np.array([1, 2, 3, 4], np.float32), np.array([0.5, 0.5, 1, 1], np.float32)
+    result = client.infer("add_sub_py", add_sub_inputs(mod, a, b))
+    assert np.allclose(result.as_numpy("OUTPUT0"), a + b) and np.allclose(result.as_numpy("OUTPUT1"), a - b)
+    meta = client.get_model_metadata("add_sub_py")
+    platform = meta["platform"] if mod is httpclient else meta.platform
+    assert platform == "python"
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_bls_calls_simple(server: PierProcess, mod) -> None:
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    x0 = np.arange(16, dtype=np.int32).reshape(1, 16)
+    x1 = np.full((1, 16), 3, dtype=np.int32)
+    inputs = [mod.InferInput("INPUT0", [1, 16], "INT32"), mod.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(x0)
+    inputs[1].set_data_from_numpy(x1)
+    result = client.infer("bls_simple", inputs)
+    assert np.array_equal(result.as_numpy("OUTPUT0"), x0 + x1)
+    assert np.array_equal(result.as_numpy("OUTPUT1"), x0 - x1)
+    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("simple")
+    assert stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 1  # went through `simple`
+
+
+def test_async_bls(server: PierProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    a, b = np.array([1, 2, 3, 4], np.float32), np.array([9, 9, 9, 9], np.float32)
+    assert np.allclose(client.infer("async_bls", add_sub_inputs(httpclient, a, b)).as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_decoupled_model_streams_over_grpc(server: PierProcess) -> None:
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    for n, rid in ((3, "three"), (5, "five")):
+        inp = grpcclient.InferInput("IN", [1], "INT32")
+        inp.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer("square_int32", [inp], request_id=rid,
+                                  enable_empty_final_response=True)
+    got: dict[str, list[int]] = {"three": [], "five": []}
+    finals: set[str] = set()
+    while len(finals) < 2:
+        result, error = answers.get(timeout=30)
+        assert error is None, error
+        response = result.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            finals.add(response.id)
+        if response.outputs:
+            got[response.id].append(int(result.as_numpy("OUT")[0]))
+    client.stop_stream()
+    assert got == {"three": [3, 3, 3], "five": [5, 5, 5, 5, 5]}
+
+
+def test_decoupled_model_refuses_plain_infer(server: PierProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    inp = httpclient.InferInput("IN", [1], "INT32")
+    inp.set_data_from_numpy(np.array([2], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client.infer("square_int32", [inp])
+
+
+def _mode(mod, text: str) -> list:
+    inp = mod.InferInput("MODE", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    return [inp]
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_model_errors_fail_only_their_request(server: PierProcess, mod) -> None:
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    with pytest.raises(InferenceServerException, match="asked to raise") as raised:
+        client.infer("fails_py", _mode(mod, "raise"))
+    assert "fails_py" in str(raised.value)
+    with pytest.raises(InferenceServerException, match="bad mode: error") as err:
+        client.infer("fails_py", _mode(mod, "error"))
+    if mod is httpclient:
+        assert err.value.status() == "400"  # TritonError INVALID_ARG -> 400
+    assert client.infer("fails_py", _mode(mod, "hello")).as_numpy("ECHO")[0] == b"hello"
+    assert client.is_server_live()
+
+
+def test_dynamic_batching_hands_execute_a_list(server: PierProcess) -> None:
+    results: list[np.ndarray] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:  # plain HTTP/JSON (tritonclient.http clients do not like threads)
+        body = {"inputs": [{"name": "X", "datatype": "INT64", "shape": [1, 1], "data": [i]}]}
+        doc = requests.post(f"{server.base()}/v2/models/batch_count_py/infer", json=body, timeout=30).json()
+        y = np.array(doc["outputs"][0]["data"]).reshape(doc["outputs"][0]["shape"])
+        with lock:
+            results.append(y)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(int(y[0, 0]) for y in results) == list(range(6))  # each got its own row
+    assert max(int(y[0, 1]) for y in results) > 1  # execute() saw several requests at once
+
+
+def test_python_model_load_errors(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "no_class" / "1").mkdir(parents=True)
+    (repo / "no_class" / "config.pbtxt").write_text(
+        'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')
+    (repo / "no_class" / "1" / "model.py").write_text("x = 1\n")
+    (repo / "bad_init" / "1").mkdir(parents=True)
+    (repo / "bad_init" / "config.pbtxt").write_text((repo / "no_class" / "config.pbtxt").read_text())
+    (repo / "bad_init" / "1" / "model.py").write_text(
+        "class TritonPythonModel:\n    def initialize(self, args):\n        raise RuntimeError('no weights')\n")
+    shutil.copytree(PY_MODELS / "add_sub_py", repo / "add_sub_py")
+    server = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=tmp_path / "l.log")
+    try:
+        index = {r["name"]: r for r in httpclient.InferenceServerClient(server.http_url).get_model_repository_index()}
+        assert "defines no class TritonPythonModel" in index["no_class"]["reason"]
+        assert "initialize() of python model 'bad_init' failed: RuntimeError: no weights" in index["bad_init"]["reason"]
+        assert index["add_sub_py"]["state"] == "READY"
+    finally:
+        assert server.stop() == 0
