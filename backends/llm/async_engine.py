@@ -136,14 +136,13 @@ class AsyncLLMEngine:
             try:
                 outs = self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self._snapshot()
                     self._dispatch(outs)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outs.extend(self.engine.step())
-                stats = self.engine.stats()
-                with self._lock:
-                    self._stats = stats
+                self._snapshot()
                 self._dispatch(outs)
             except Exception as e:  # a step failed: fail everything in flight, keep serving
                 with self._lock:
@@ -155,6 +154,11 @@ class AsyncLLMEngine:
             rids = list(self._streams)
         for rid in rids:
             self._fail(rid, RuntimeError("the engine was shut down"))
+
+    def _snapshot(self) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._stats = stats
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         if not outs:

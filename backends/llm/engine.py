@@ -249,6 +249,8 @@ class LLMEngine:
         return self._output(seq, [tok], lp, reason is not None)  # type: ignore[arg-type]
 
     def _output(self, seq: Seq, new_ids: list[int], logprobs: list | None, finished: bool) -> RequestOutput:
+        if finished and seq.finish_reason != "abort":
+            seq.detok.flush()
         text = seq.detok.take(finished)
         m = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                            seq.last_token_time, seq.finished_time)

@@ -97,13 +97,14 @@ class Scheduler:
             seq = self.swapped[0]
             sb = self.kv.seqs[seq.seq_id]
             assert sb.cpu_blocks is not None
-            if self.kv.pool.num_free < len(sb.cpu_blocks) + 1:
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            grow = max(-(-(seq.num_computed + num_new) // self.kv.block_size) - len(sb.cpu_blocks), 0)
+            if self.kv.pool.num_free < len(sb.cpu_blocks) + grow:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq.seq_id))
-            num_new = len(seq.token_ids) - seq.num_computed
             copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
-            assert copies is not None  # one free block was kept for it
+            assert copies is not None  # room was checked above
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._emit(seq, num_new, out)

@@ -112,6 +112,17 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        self.stopped = False
+
+    def flush(self) -> None:
+        """At the end: add text still waiting for the rest of a character (shown as U+FFFD)."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(self.ids)
 
     def add(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any."""
@@ -142,6 +153,7 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         i, s = best
+        self.stopped = True
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.emitted = min(self.emitted, len(self.text))
         return s

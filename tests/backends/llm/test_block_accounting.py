@@ -1,0 +1,57 @@
+"""Random workloads of finished, aborted and preempted requests return every block to the pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backends.llm.config import EngineConfig
+from backends.llm.engine import LLMEngine
+from backends.llm.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("mode,caching,seed", [
+    ("recompute", True, 0), ("recompute", False, 1), ("swap", True, 2), ("swap", False, 3),
+])
+def test_random_workload_returns_every_block(llama_dir, mode, caching, seed):
+    rng = random.Random(seed)
+    eng = LLMEngine(llama_dir, EngineConfig(
+        kv_cache_memory_bytes=28 * 2048, block_size=4, preemption_mode=mode, swap_space_bytes=24 * 2048,
+        enable_prefix_caching=caching, max_num_seqs=8, max_num_batched_tokens=24))
+    shared = [rng.randrange(2, 320) for _ in range(12)]
+    live: set[str] = set()
+    finished_reasons: dict[str, set[str]] = {}
+    next_id = 0
+    for _ in range(120):
+        action = rng.random()
+        if action < 0.25:
+            prefix = shared if rng.random() < 0.5 else []
+            prompt = prefix + [rng.randrange(2, 320) for _ in range(rng.randrange(1, 20))]
+            n = rng.choice([1, 1, 2])
+            params = SamplingParams(max_tokens=rng.randrange(1, 50), temperature=0 if n == 1 else 0.8, n=n,
+                                    seed=rng.randrange(100), ignore_eos=rng.random() < 0.5)
+            rid = f"r{next_id}"
+            next_id += 1
+            eng.add_request(rid, prompt, params)
+            live.add(rid)
+        elif action < 0.35 and live:
+            rid = rng.choice(sorted(live))
+            for out in eng.abort(rid):
+                finished_reasons.setdefault(rid, set()).add(out.finish_reason or "")
+            live.discard(rid)
+        for out in eng.step():
+            if out.finished:
+                finished_reasons.setdefault(out.request_id, set()).add(out.finish_reason or "")
+        live &= set(eng._requests)
+        eng.kv.check()
+        held = sum(len(b.blocks) for b in eng.kv.seqs.values())
+        assert held >= eng.kv.pool.num_blocks - eng.kv.pool.num_free  # shared blocks counted per holder
+    while eng.has_unfinished():
+        eng.step()
+        eng.kv.check()
+    assert eng.stats().num_preemptions > 0
+    assert not eng.kv.seqs and not eng._requests
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks
+    assert eng.kv.cpu_pool.num_free == eng.kv.cpu_pool.num_blocks
+    assert {"abort", "length"} <= set().union(*finished_reasons.values())

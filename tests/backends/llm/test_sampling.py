@@ -1,0 +1,121 @@
+"""SamplingParams validation, seeded sampling, n > 1, stop conditions, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.llm.config import EngineConfig
+from backends.llm.engine import LLMEngine
+from backends.llm.sampling_params import SamplingParams
+
+
+def test_from_json_accepts_vllm_names():
+    p = SamplingParams.from_json({
+        "max_tokens": "32", "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
+        "stop": "###", "stop_token_ids": [3], "ignore_eos": "true", "n": 2, "logprobs": 2, "stream": True,
+    })
+    assert p.max_tokens == 32 and p.top_k == 5 and p.stop == ("###",) and p.ignore_eos and p.n == 2
+    assert p.extra == {"stream": True}
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"max_tokens": -3}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": "many"}, "max_tokens"),
+    ({"stop": [1]}, "stop"), ({"n": 2, "temperature": 0}, "greedy"), ({"repetition_penalty": 0}, "repetition"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": -1}, "logprobs"),
+])
+def test_from_json_rejects_bad_values(body, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams.from_json(body)
+
+
+def _run(eng: LLMEngine, prompts, params):
+    return eng.generate(prompts, params)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llama_dir, prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, min_p=0.01, seed=123,
+                            repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.3, ignore_eos=True)
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    a = _run(eng, prompts, params)
+    b = _run(eng, prompts, params)
+    assert a == b
+    alone = _run(eng, [prompts[2]], params)
+    assert alone[0] == a[2]  # the same tokens whatever else shares the batch
+    other_seed = _run(eng, prompts, SamplingParams(**{**params.__dict__, "seed": 124, "stop": ()}))
+    assert other_seed != a
+
+
+def test_n_greater_than_one_shares_prompt_blocks(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20, block_size=8))
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=5, ignore_eos=True)
+    eng.add_request("r", prompts[4], params)  # 64 tokens = 8 full blocks
+    eng.step()
+    seqs = eng._requests["r"]
+    assert len(seqs) == 3
+    tables = [eng.kv.block_table(s.seq_id) for s in seqs]
+    assert tables[0][:8] == tables[1][:8] == tables[2][:8]  # the prompt's blocks are shared
+    outs: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.index, []).extend(o.token_ids)
+    assert sorted(outs) == [0, 1, 2] and all(len(v) == 11 for v in outs.values())
+    assert len({tuple(v) for v in outs.values()}) > 1
+    assert eng.kv.pool.num_free == eng.kv.pool.num_blocks
+
+
+def test_n_with_partial_block_copy_on_write(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20, block_size=8))
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=1, ignore_eos=True)
+    got = eng.generate([prompts[2]], params)[0]  # 40 + 1 tokens: a partly filled shared block
+    assert len(got) == 2 and all(len(g) == 6 for g in got)
+    # a child must continue exactly as a single request would with the same first token
+    eng.kv.check()
+
+
+def test_stop_token_ids_eos_and_max_tokens(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    greedy = eng.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0][0]
+    stop_tok = greedy[3]
+    eng.add_request("s", prompts[0], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop_tok
+    assert sum(len(o.token_ids) for o in outs) == greedy.index(stop_tok) + 1
+    eng.add_request("m", prompts[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 4
+
+
+def test_stop_string_in_engine(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    eng.add_request("a", prompts[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    text = ""
+    while eng.has_unfinished():
+        text += "".join(o.text for o in eng.step())
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip()
+    eng.add_request("b", prompts[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    got = "".join(o.text for o in outs)
+    assert got == text[: text.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_logprobs(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    eng.add_request("l", prompts[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    for o in outs:
+        (lp, top), = o.logprobs
+        assert lp <= 0 and len(top) == 2
+        assert o.token_ids[0] == max(top, key=top.get)  # greedy picks the most likely token
+        assert abs(top[o.token_ids[0]] - lp) < 1e-6

@@ -1,0 +1,66 @@
+"""Incremental detokenization, stop strings, chat templates."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXT = "Héllo wörld ☃ 日本語 🙂 the lazy dog 🙂🙂 ünïcode"
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    return Tokenizer(llama_dir)
+
+
+def test_never_splits_utf8(tok):
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    # byte-level BPE: some characters span several tokens
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt", add_special_tokens=True))
+    pieces = []
+    for i in ids:
+        detok.add(i)
+        piece = detok.take(finished=False)
+        assert "\ufffd" not in piece
+        piece.encode("utf-8")  # a whole-character string
+        pieces.append(piece)
+    pieces.append(detok.take(finished=True))
+    assert "".join(pieces) == TEXT == tok.decode(ids)
+
+
+def test_stop_string_cut_and_held_back(tok):
+    ids = tok.encode("the quick brown fox jumps", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [0], stop=("brown fox",))
+    emitted = ""
+    stop = None
+    for i in ids:
+        stop = detok.add(i)
+        emitted += detok.take(finished=stop is not None)
+        assert "brown" not in emitted
+        if stop:
+            break
+    assert stop == "brown fox"
+    assert emitted == "the quick "
+
+
+def test_stop_string_included(tok):
+    ids = tok.encode("the quick brown fox jumps", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [0], stop=("quick",), include_stop=True)
+    for i in ids:
+        if detok.add(i):
+            break
+    assert detok.take(finished=True) == "the quick"
+
+
+def test_chat_template(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<s><|user|>hi</s><|assistant|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == 0
+
+
+def test_encode_adds_bos(tok):
+    assert tok.encode("hi")[0] == 0
+    assert tok.encode("hi", add_special_tokens=False)[0] != 0
