@@ -91,6 +91,10 @@ class ModelInstance(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, after the last execute."""
 
+    def prometheus(self, model: str, version: str) -> str:
+        """Extra Prometheus text (whole families) this instance exports; "" for none."""
+        return ""
+
 
 class Backend(abc.ABC):
     """A framework adapter. Stateless apart from caches; one object serves every model."""

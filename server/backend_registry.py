@@ -24,6 +24,7 @@ _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("pytorch", "pytorch_libtorch", "backends.pytorch.backend", "model.pt"),
     BackendEntry("tensorrt", "tensorrt_plan", "backends.tensorrt.backend", "model.plan"),
     BackendEntry("python", "", "backends.python.backend", "model.py"),
+    BackendEntry("llm", "", "backends.llm.backend", "config.json"),  # a Hugging Face folder
 )
 # Ensembles have a platform and no backend: the server schedules their steps itself.
 ENSEMBLE = BackendEntry("", "ensemble", "", "")

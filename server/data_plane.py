@@ -4,7 +4,7 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from server import __version__
@@ -87,6 +87,10 @@ class DataPlane:
             "outputs": [{"name": t.name, "datatype": t.datatype, "shape": spec.api_shape(t)} for t in spec.outputs],
         }
 
+    def models_with_backend(self, backend: str) -> list[str]:
+        """Names of the models with a READY version served by `backend` (e.g. the OpenAI API's "llm")."""
+        return sorted({m.spec.name for m in self._manager.loaded_models() if m.spec.backend == backend})
+
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return dict(self._model(name, version).spec.config_json)
 
@@ -148,8 +152,8 @@ class DataPlane:
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
         if self._model(request.model_name, request.model_version).spec.decoupled:
-            raise unsupported(f"model '{request.model_name}' is decoupled: use the streaming API "
-                              "(gRPC ModelStreamInfer or HTTP generate_stream)")
+            raise unsupported(f"this end point doesn't support models with decoupled transaction policy: "
+                              f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
         model, batch = self._admit(request)
         self._begin()
         try:
@@ -160,7 +164,7 @@ class DataPlane:
             raise result
         return self._response(model, request, result, batch)
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:
         """Every response of one request: one for ordinary models; for decoupled models each
         response the model sends (errors in-band as PierError), the last one carrying
         parameters["triton_final_response"] = True (with no outputs when the model sent its

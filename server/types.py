@@ -148,3 +148,5 @@ class ModelSignature:
 
     inputs: tuple[tuple[str, str, tuple[int, ...]], ...]
     outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
+    optional_inputs: tuple[str, ...] = ()  # inputs a request may leave out
+    decoupled: bool = False  # the model answers with any number of responses per request

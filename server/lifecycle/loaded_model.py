@@ -29,6 +29,7 @@ class LoadedModel:
         self.scheduler = scheduler
         self.stats = stats
         self.load_duration_s = 0.0  # nv_model_load_duration_secs
+        self.instances: list[ModelInstance] = []  # backend instances (none for ensembles)
 
     async def stop(self) -> None:
         await self.scheduler.stop()
@@ -76,4 +77,6 @@ def build_loaded_model(spec: ModelSpec, config: Any, version: int,
         scheduler = DirectScheduler(instances, stats, name, BatchLayout.from_spec(spec))
     else:
         scheduler = DynamicBatcher(instances, stats, name, policy)
-    return LoadedModel(spec, config, version, scheduler, stats)
+    model = LoadedModel(spec, config, version, scheduler, stats)
+    model.instances = list(instances)
+    return model

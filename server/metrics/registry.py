@@ -144,6 +144,9 @@ class MetricsRenderer:
                 "Percent of unversioned requests routed to each version (rollout weights, else newest READY)",
                 [f"pier_model_traffic_percent{{{_labels(m)}}} {split[m.spec.name].get(m.version, 0.0):g}\n"
                  for m in models]))
+        for m in models:  # backend families (e.g. the LLM engine's vllm:* metrics)
+            for instance in m.instances:
+                parts.append(instance.prometheus(m.spec.name, m.version_str))
         total, used = self._system.memory()
         parts.append(_family("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]",
                              [f"nv_cpu_utilization {self._system.utilization()}\n"]))

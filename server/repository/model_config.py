@@ -154,6 +154,10 @@ def _auto_complete_io(
             t.name = name
             t.data_type = mc.DataType.Value(datatype_to_config(datatype))
             t.dims.extend(shape[strip:])
+            if target is config.input and name in sig.optional_inputs:
+                t.optional = True
+    if sig.decoupled and not config.HasField("model_transaction_policy"):
+        config.model_transaction_policy.decoupled = True
     del source
 
 

@@ -12,8 +12,9 @@ from aiohttp import web
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError
-from server.frontends.http import codec
+from server.frontends.http import codec, generate, openai
 from server.frontends.http.errors import error_response, from_error
+from server.types import InferenceRequest, InferenceResponse
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -121,6 +122,59 @@ class HttpHandlers:
     async def traffic(self, request: web.Request) -> web.Response:
         return _json(self.control.traffic(request.match_info["model"]))
 
+    async def _generate_request(self, request: web.Request) -> InferenceRequest:
+        model, version = request.match_info["model"], _version(request)
+        doc = await self._body(request, "generate")
+        metadata = self.plane.model_metadata(model, version)
+        batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
+        return generate.decode(model, version, doc, metadata, batching)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """One JSON answer; for a decoupled model, its last response that carries outputs."""
+        answer = None
+        async for item in self.plane.infer_stream(await self._generate_request(request)):
+            if isinstance(item, PierError):
+                raise item
+            if item.outputs:
+                answer = item
+        if answer is None:
+            raise PierError(ErrorCode.INTERNAL, "the model sent no response")
+        return _json(generate.encode(answer))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events, one `data: {json}` per response; errors before the first response
+        are ordinary JSON errors, later ones `data: {"error": ...}`."""
+        stream = self.plane.infer_stream(await self._generate_request(request))
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise PierError(ErrorCode.INTERNAL, "the model sent no response") from None
+        if isinstance(first, PierError):
+            await stream.aclose()
+            raise first
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                            "Cache-Control": "no-cache"})
+        await reply.prepare(request)
+        try:
+            item: InferenceResponse | PierError = first
+            while True:
+                if isinstance(item, PierError):
+                    doc: dict = {"error": item.message}
+                elif not item.outputs:
+                    doc = {}
+                else:
+                    doc = generate.encode(item)
+                if doc:
+                    await reply.write(b"data: " + orjson.dumps(doc) + b"\n\n")
+                try:
+                    item = await anext(stream)
+                except StopAsyncIteration:
+                    break
+        finally:
+            await stream.aclose()  # also when the client went away: that cancels the request
+        await reply.write_eof()
+        return reply
+
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
@@ -198,10 +252,13 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
         r.add_get(base + "/config", h.model_config)
         r.add_get(base + "/stats", h.model_stats)
         r.add_post(base + "/infer", h.infer)
+        r.add_post(base + "/generate", h.generate)
+        r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)
     for path in ("/v2/systemsharedmemory/{tail:.*}", "/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
                  "/v2/models/{model}/trace/setting", "/v2/logging"):
         r.add_route("*", path, h.not_yet)
+    openai.add_routes(app, plane, max_input_size)
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)
     r.add_post(repo_model + "/unload", h.repository_unload)

@@ -1,0 +1,309 @@
+"""OpenAI-compatible API on the HTTP port, for models served by the LLM backend:
+`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (chat template applied),
+`stream: true` as server-sent events ending with `data: [DONE]`, usage counts, OpenAI's and
+vLLM's sampling fields, errors in OpenAI's shape. Each call is an ordinary request to the
+model through the data plane (the LLM backend's tensors, streamed), so it is scheduled,
+counted and cancelled (client gone) like any other."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from server.data_plane import DataPlane
+from server.errors import ErrorCode, PierError
+from server.frontends.http import codec
+from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+# Body fields passed to the engine's sampling parameters (OpenAI's and vLLM's names).
+_SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
+             "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
+             "include_stop_str_in_output")
+_STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
+                 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+_CODE_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNSUPPORTED: 400,
+                ErrorCode.TOO_LARGE: 413, ErrorCode.UNAVAILABLE: 503}
+
+
+def error(status: int, message: str, param: str | None = None) -> web.Response:
+    doc = {"error": {"message": message, "type": _STATUS_TYPES.get(status, "BadRequestError"), "param": param,
+                     "code": status}}
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _bytes_tensor(name: str, text: str) -> Tensor:
+    return Tensor(name, "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))
+
+
+def _bool_tensor(name: str, value: bool) -> Tensor:
+    return Tensor(name, "BOOL", [1], np.array([value]))
+
+
+def _first(response: InferenceResponse, name: str) -> Any:
+    for t in response.outputs:
+        if t.name == name:
+            value = t.data.reshape(-1)[0]
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value.item()
+    return None
+
+
+class OpenAIHandlers:
+    def __init__(self, plane: DataPlane, max_json_size: int) -> None:
+        self.plane = plane
+        self.max_json_size = max_json_size
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _llm_models(self) -> list[str]:
+        return self.plane.models_with_backend("llm")
+
+    def _check_model(self, name: Any) -> str:
+        models = self._llm_models()
+        if not isinstance(name, str) or name not in models:
+            raise _BadRequest(f"The model `{name}` does not exist. Models served here: {', '.join(models) or 'none'}.",
+                              "model", 404)
+        return name
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            codec.check_json_size(len(raw), self.max_json_size)
+            doc = codec.parse_json(raw)
+        except PierError as exc:
+            raise _BadRequest(exc.message, None, 413 if exc.code is ErrorCode.TOO_LARGE else 400) from None
+        if not isinstance(doc, dict):
+            raise _BadRequest("the request body must be a JSON object")
+        return doc
+
+    @staticmethod
+    def _sampling(doc: dict[str, Any], chat: bool) -> tuple[dict[str, Any], int | None]:
+        out = {k: doc[k] for k in _SAMPLING if doc.get(k) is not None}
+        max_tokens = doc.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = doc.get("max_tokens", None if chat else 16)
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        out["max_tokens"] = max_tokens
+        n = doc.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise _BadRequest(f"n must be at least 1, got {n}.", "n")
+        if n > 1 and doc.get("temperature", 1.0) == 0:
+            raise _BadRequest("n must be 1 when using greedy sampling.", "n")
+        logprobs: int | None = None
+        if chat:
+            if doc.get("logprobs"):
+                logprobs = int(doc.get("top_logprobs") or 0)
+        elif doc.get("logprobs") is not None:
+            if isinstance(doc["logprobs"], bool) or not isinstance(doc["logprobs"], int) or doc["logprobs"] < 0:
+                raise _BadRequest("logprobs must be a non-negative integer.", "logprobs")
+            logprobs = doc["logprobs"]
+        if logprobs is not None:
+            out["logprobs"] = logprobs
+        return out, logprobs
+
+    def _request(self, model: str, prompt: str | None, messages: Any, sampling: dict[str, Any],
+                 logprobs: bool) -> InferenceRequest:
+        inputs = [_bytes_tensor("text_input", prompt or ""), _bool_tensor("stream", True),
+                  _bytes_tensor("sampling_parameters", json.dumps(sampling)),
+                  _bool_tensor("exclude_input_in_output", True), _bool_tensor("return_finish_reason", True),
+                  _bool_tensor("return_num_input_tokens", True), _bool_tensor("return_num_output_tokens", True),
+                  _bool_tensor("return_logprobs", logprobs)]
+        if messages is not None:
+            inputs.append(_bytes_tensor("chat_messages", json.dumps(messages)))
+        outputs = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "sequence_index"]
+        if logprobs:
+            outputs.append("logprobs")
+        return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
+
+    async def _deltas(self, request: InferenceRequest) -> AsyncGenerator[dict[str, Any], None]:
+        """Per-sequence deltas: {index, text, finish_reason, prompt_tokens, completion_tokens, logprobs}."""
+        stream = self.plane.infer_stream(request)
+        try:
+            async for item in stream:
+                if isinstance(item, PierError):
+                    raise item
+                if not item.outputs:
+                    continue
+                lp = _first(item, "logprobs")
+                yield {"index": int(_first(item, "sequence_index") or 0), "text": _first(item, "text_output") or "",
+                       "finish_reason": _first(item, "finish_reason") or None,
+                       "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
+                       "completion_tokens": int(_first(item, "num_output_tokens") or 0),
+                       "logprobs": json.loads(lp) if lp else None}
+        finally:
+            await stream.aclose()
+
+    async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            doc = await self._body(request)
+            model = self._check_model(doc.get("model"))
+            sampling, logprobs = self._sampling(doc, chat)
+            if chat:
+                messages = doc.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise _BadRequest("messages must be a non-empty list.", "messages")
+                infer = self._request(model, "", messages, sampling, logprobs is not None)
+            else:
+                prompt = doc.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    raise _BadRequest("prompt must be a string (one prompt per request).", "prompt")
+                infer = self._request(model, prompt, None, sampling, logprobs is not None)
+            deltas = self._deltas(infer)
+            try:
+                first = await anext(deltas)
+            except StopAsyncIteration:
+                raise _BadRequest("the model sent no response", status=500) from None
+        except _BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        except PierError as exc:
+            return error(_CODE_STATUS.get(exc.code, 500), exc.message)
+        created = int(time.time())
+        ident = ("chatcmpl-" if chat else "cmpl-") + infer.id
+        if doc.get("stream"):
+            options = doc.get("stream_options") or {}
+            return await self._stream(request, deltas, first, ident, created, model, chat,
+                                      bool(isinstance(options, dict) and options.get("include_usage")))
+        return await self._whole(deltas, first, ident, created, model, chat, int(sampling.get("n", 1)))
+
+    async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
+                     created: int, model: str, chat: bool, n: int) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        finish: dict[int, str | None] = {}
+        completion: dict[int, int] = {}
+        lps: dict[int, list[dict[str, Any]]] = {}
+        prompt_tokens = first["prompt_tokens"]
+        item: dict[str, Any] | None = first
+        try:
+            while item is not None:
+                i = item["index"]
+                texts.setdefault(i, []).append(item["text"])
+                if item["logprobs"]:
+                    lps.setdefault(i, []).append(item["logprobs"])
+                if item["finish_reason"]:
+                    finish[i] = item["finish_reason"]
+                completion[i] = item["completion_tokens"]
+                item = await anext(deltas, None)
+        except PierError as exc:
+            return error(_CODE_STATUS.get(exc.code, 500), exc.message)
+        choices = []
+        for i in range(n):
+            text = "".join(texts.get(i, []))
+            logprobs = _logprobs(lps.get(i, []), chat)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": finish.get(i, "stop")})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": logprobs,
+                                "finish_reason": finish.get(i, "stop"), "stop_reason": None})
+        total = sum(completion.values())
+        doc = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": model, "choices": choices,
+               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total,
+                         "total_tokens": prompt_tokens + total}}
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+    async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
+                      ident: str, created: int, model: str, chat: bool, include_usage: bool) -> web.StreamResponse:
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                            "Cache-Control": "no-cache"})
+        await reply.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(doc: dict[str, Any]) -> None:
+            await reply.write(b"data: " + orjson.dumps(doc) + b"\n\n")
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            doc: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": model, "choices": choices}
+            if include_usage:
+                doc["usage"] = usage
+            return doc
+
+        completion: dict[int, int] = {}
+        started: set[int] = set()
+        item: dict[str, Any] | None = first
+        try:
+            while item is not None:
+                i = item["index"]
+                completion[i] = item["completion_tokens"]
+                logprobs = _logprobs([item["logprobs"]] if item["logprobs"] else [], chat)
+                if chat:
+                    if i not in started:
+                        started.add(i)
+                        await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]))
+                    delta = {"content": item["text"]} if item["text"] else {}
+                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"]}
+                else:
+                    choice = {"index": i, "text": item["text"], "logprobs": logprobs,
+                              "finish_reason": item["finish_reason"], "stop_reason": None}
+                if item["text"] or item["finish_reason"] or logprobs:
+                    await send(chunk([choice]))
+                item = await anext(deltas, None)
+            if include_usage:
+                total = sum(completion.values())
+                await send(chunk([], {"prompt_tokens": first["prompt_tokens"], "completion_tokens": total,
+                                      "total_tokens": first["prompt_tokens"] + total}))
+        except PierError as exc:
+            await send({"error": {"message": exc.message, "type": "BadRequestError", "param": None,
+                                  "code": _CODE_STATUS.get(exc.code, 500)}})
+        finally:
+            await deltas.aclose()  # when the client went away too: that cancels the request
+        await reply.write(b"data: [DONE]\n\n")
+        await reply.write_eof()
+        return reply
+
+    # ---- routes --------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None}
+                for m in self._llm_models()]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, chat=True)
+
+
+def _logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:
+    """The backend's per-delta {"tokens": [...], "logprobs": [[lp, {tok: lp}], ...]} in OpenAI's shapes."""
+    if not parts:
+        return None
+    tokens = [t for p in parts for t in p["tokens"]]
+    entries = [e for p in parts for e in p["logprobs"]]
+    if chat:
+        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                              for t, v in (top or {}).items()]}
+                            for tok, (lp, top) in zip(tokens, entries)]}
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [top or {} for _, top in entries], "text_offset": offsets}
+
+
+def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> None:
+    h = OpenAIHandlers(plane, max_json_size)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat_completions)

@@ -1,0 +1,206 @@
+"""The LLM backend served by a real `pier serve`: a folder with only `backend: "llm"` and the HF
+files auto-completes to Triton's vLLM-backend tensors; tritonclient gRPC streaming, HTTP
+generate / generate_stream, and the openai SDK (completions, chat, streaming, usage, errors);
+a client that disconnects mid-stream frees its KV blocks; vllm:* metrics."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import requests
+
+from tests.conftest import PierProcess, start_pier
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    from tests.backends.llm.tiny_model import build_model
+
+    repo = tmp_path_factory.mktemp("llm") / "repo"
+    folder = build_model(repo / "tiny_llama" / "1", "llama")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").exists() \
+        else {}
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (repo / "tiny_llama" / "config.pbtxt").write_text(
+        'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
+    proc = start_pier([repo], log_path=repo.parent / "pier.log", timeout=120)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def generate(server: PierProcess, body: dict) -> dict:
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_config_is_auto_completed(server: PierProcess) -> None:
+    cfg = requests.get(f"{server.base()}/v2/models/tiny_llama/config").json()
+    assert cfg["model_transaction_policy"]["decoupled"] is True
+    inputs = {i["name"]: i for i in cfg["input"]}
+    assert inputs["text_input"]["data_type"] == "TYPE_STRING" and not inputs["text_input"]["optional"]
+    assert inputs["stream"]["data_type"] == "TYPE_BOOL" and inputs["stream"]["optional"]
+    assert {"sampling_parameters", "exclude_input_in_output"} <= set(inputs)
+    assert [o["name"] for o in cfg["output"]][0] == "text_output"
+
+
+def test_generate_and_generate_stream_agree(server: PierProcess) -> None:
+    prompt = "hello pier"
+    whole = generate(server, {"text_input": prompt, "exclude_input_in_output": True,
+                              "sampling_parameters": json.dumps(GREEDY)})
+    assert whole["model_name"] == "tiny_llama" and whole["text_output"]
+    with_prompt = generate(server, {"text_input": prompt, "parameters": GREEDY})  # sampling as parameters
+    assert with_prompt["text_output"] == prompt + whole["text_output"]
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", timeout=60, stream=True,
+                      json={"text_input": prompt, "stream": True, "sampling_parameters": GREEDY})
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+
+
+def test_generate_errors(server: PierProcess) -> None:
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
+                      json={"text_input": "x", "sampling_parameters": {"max_tokens": -3}})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", timeout=30,
+                      json={"text_input": "x", "sampling_parameters": "{not json"})
+    assert r.status_code == 400 and "sampling_parameters" in r.json()["error"]
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/infer", timeout=30,
+                      json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
+    assert r.status_code == 501 and "decoupled transaction policy" in r.json()["error"]  # as Triton
+
+
+def test_grpc_stream_with_tritonclient(server: PierProcess) -> None:
+    expected = generate(server, {"text_input": "stream me", "exclude_input_in_output": True,
+                                 "sampling_parameters": json.dumps(GREEDY)})["text_output"]
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    inputs = []
+    sampling = np.array([json.dumps(GREEDY).encode()], dtype=object)
+    for name, datatype, value in (("text_input", "BYTES", np.array([b"stream me"], dtype=object)),
+                                  ("stream", "BOOL", np.array([True])),
+                                  ("sampling_parameters", "BYTES", sampling)):
+        t = grpcclient.InferInput(name, [1], datatype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    client.async_stream_infer("tiny_llama", inputs, request_id="s1")
+    pieces: list[str] = []
+    while True:
+        result, error = answers.get(timeout=60)
+        assert error is None, error
+        pieces.append(result.as_numpy("text_output")[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    assert len(pieces) > 1 and "".join(pieces) == expected
+
+
+@pytest.fixture()
+def oai(server: PierProcess):
+    return openai.OpenAI(base_url=f"{server.base()}/v1", api_key="none")
+
+
+def test_openai_models_and_completions(oai, server: PierProcess) -> None:
+    assert [m.id for m in oai.models.list().data] == ["tiny_llama"]
+    expected = generate(server, {"text_input": "hello pier", "exclude_input_in_output": True,
+                                 "sampling_parameters": json.dumps(GREEDY)})["text_output"]
+    c = oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert c.choices[0].text == expected and c.choices[0].finish_reason == "length"
+    assert c.usage.completion_tokens == 12 and c.usage.prompt_tokens > 0
+    assert c.usage.total_tokens == c.usage.prompt_tokens + 12
+    chunks = list(oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    lp = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=4, temperature=0, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    assert len(lp.choices[0].logprobs.token_logprobs) == 4
+    assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
+    n2 = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=7,
+                                extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in n2.choices) == [0, 1] and n2.usage.completion_tokens == 10
+
+
+def test_openai_chat(oai) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    c = oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert c.choices[0].message.role == "assistant" and c.choices[0].message.content
+    assert c.usage.completion_tokens == 8
+    stream = oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=8, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_errors(oai) -> None:
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        oai.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.completions.create(model="tiny_llama", prompt="x", max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        oai.completions.create(model="tiny_llama", prompt="word " * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="greedy"):
+        oai.completions.create(model="tiny_llama", prompt="x", n=2, temperature=0)
+
+
+def _metric(server: PierProcess, name: str) -> float:
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
+    body = json.dumps({"model": "tiny_llama", "prompt": "a long story", "max_tokens": 400, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.http_port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    sock.settimeout(30)
+    while b"data: " not in received:  # streaming has started
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    assert _metric(server, "vllm:num_requests_running") == 1
+    sock.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (_metric(server, "vllm:num_requests_running") > 0
+                                           or _metric(server, "vllm:kv_cache_usage_perc") > 0):
+        time.sleep(0.1)
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert _metric(server, "vllm:generation_tokens_total") < 400 + 200  # it stopped early
+    assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+
+
+def test_llm_metrics_are_exported(server: PierProcess) -> None:
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    for name in ("vllm:num_requests_waiting", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_count"):
+        assert f'{name}{{model_name="tiny_llama"' in text, name
