@@ -6,7 +6,7 @@ for Triton + vLLM work unchanged:
            sampling fields), exclude_input_in_output (BOOL), return_finish_reason,
            return_num_input_tokens, return_num_output_tokens (BOOL); Pier's extras for the
            OpenAI frontend: chat_messages (BYTES, JSON list of chat messages: the chat template
-           is applied), return_logprobs (BOOL)
+           is applied), input_ids (INT64, a prompt given as token ids), return_logprobs (BOOL)
   outputs  text_output (BYTES); finish_reason (BYTES), num_input_tokens / num_output_tokens
            (UINT32), sequence_index (UINT32), logprobs (BYTES, JSON) when asked for
 
@@ -44,6 +44,7 @@ INPUTS = (
     ("return_num_output_tokens", "BOOL", (1,)),
     ("return_logprobs", "BOOL", (1,)),
     ("chat_messages", "BYTES", (1,)),
+    ("input_ids", "INT64", (-1,)),
 )
 OUTPUTS = (
     ("text_output", "BYTES", (-1,)),
@@ -175,13 +176,17 @@ class LLMInstance(ModelInstance):
         except (ValueError, TypeError) as exc:
             raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
         messages = _scalar(request, "chat_messages")
-        if messages not in (None, b"", ""):
+        token_ids = next((t for t in request.inputs if t.name == "input_ids"), None)
+        if token_ids is not None and token_ids.data.size:
+            prompt: Any = [int(v) for v in token_ids.data.reshape(-1)]
+            flags["exclude_input_in_output"] = True
+        elif messages not in (None, b"", ""):
             try:
                 chat = json.loads(_text(messages, "chat_messages"))
                 text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
             except ValueError as exc:
                 raise invalid_arg(f"chat_messages: {exc}") from None
-            prompt: Any = self.tokenizer.encode(text, add_special_tokens=False)
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)
             flags["exclude_input_in_output"] = True
         else:
             value = _scalar(request, "text_input")

@@ -136,6 +136,9 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
                                 extra_body={"ignore_eos": True})
     assert len(lp.choices[0].logprobs.token_logprobs) == 4
     assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
+    ids = oai.completions.create(model="tiny_llama", prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
     n2 = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=7,
                                 extra_body={"ignore_eos": True})
     assert sorted(ch.index for ch in n2.choices) == [0, 1] and n2.usage.completion_tokens == 10

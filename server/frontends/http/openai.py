@@ -115,15 +115,19 @@ class OpenAIHandlers:
             out["logprobs"] = logprobs
         return out, logprobs
 
-    def _request(self, model: str, prompt: str | None, messages: Any, sampling: dict[str, Any],
+    def _request(self, model: str, prompt: str | list[int] | None, messages: Any, sampling: dict[str, Any],
                  logprobs: bool) -> InferenceRequest:
-        inputs = [_bytes_tensor("text_input", prompt or ""), _bool_tensor("stream", True),
+        text = prompt if isinstance(prompt, str) else ""
+        inputs = [_bytes_tensor("text_input", text), _bool_tensor("stream", True),
                   _bytes_tensor("sampling_parameters", json.dumps(sampling)),
                   _bool_tensor("exclude_input_in_output", True), _bool_tensor("return_finish_reason", True),
                   _bool_tensor("return_num_input_tokens", True), _bool_tensor("return_num_output_tokens", True),
                   _bool_tensor("return_logprobs", logprobs)]
         if messages is not None:
             inputs.append(_bytes_tensor("chat_messages", json.dumps(messages)))
+        if isinstance(prompt, list):
+            ids = np.array(prompt, dtype=np.int64)
+            inputs.append(Tensor("input_ids", "INT64", [len(prompt)], ids))
         outputs = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "sequence_index"]
         if logprobs:
             outputs.append("logprobs")
@@ -159,10 +163,13 @@ class OpenAIHandlers:
                 infer = self._request(model, "", messages, sampling, logprobs is not None)
             else:
                 prompt = doc.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                     prompt = prompt[0]
-                if not isinstance(prompt, str):
-                    raise _BadRequest("prompt must be a string (one prompt per request).", "prompt")
+                token_ids = isinstance(prompt, list) and prompt and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+                if not isinstance(prompt, str) and not token_ids:
+                    raise _BadRequest("prompt must be a string or a list of token ids (one prompt per request).",
+                                      "prompt")
                 infer = self._request(model, prompt, None, sampling, logprobs is not None)
             deltas = self._deltas(infer)
             try:
