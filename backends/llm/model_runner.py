@@ -13,8 +13,8 @@ from .scheduler_output import ScheduledSeq, SchedulerOutput
 
 # A decode group closes when the next (longer) sequence needs this many times the blocks of the
 # group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
-_GROUP_GROWTH = 1.5
-_MIN_GROUP = 8
+_GROUP_GROWTH = 1.25
+_MIN_GROUP = 4
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:

@@ -71,10 +71,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _interleave_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output channels from rotate-half (x0..x31, x32..x63) to pairs (x0, x32, x1, x33, ..).
+
+    q·k is unchanged when q and k are permuted alike, so attention is the same; RoPE becomes a
+    complex multiply on adjacent pairs."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    shape = w.shape
+    return w.view(heads, head_dim, *shape[1:])[:, perm].reshape(shape).contiguous()
 
 
 class LlamaForCausalLM:
@@ -93,9 +98,11 @@ class LlamaForCausalLM:
         inv_freq, attn_scaling = rope_inv_freq(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * attn_scaling).to(device)
-        self.sin = (emb.sin() * attn_scaling).to(device)
+        # RoPE as one complex multiply: q/k channels are stored interleaved (see _assign), so the
+        # pair (x[i], x[i + half]) of HF's rotate-half layout is one complex number.
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        self.freqs_cis = torch.polar(torch.full_like(freqs, attn_scaling), freqs).to(device=device, dtype=cdtype)
+        self.rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
     @classmethod
     def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
@@ -134,11 +141,15 @@ class LlamaForCausalLM:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            qb, kb = maybe(a + "q_proj.bias"), maybe(a + "k_proj.bias")
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv_w=torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]),
-                    qkv_b=cat_opt([maybe(a + "q_proj.bias"), maybe(a + "k_proj.bias"), maybe(a + "v_proj.bias")]),
+                    qkv_w=torch.cat([_interleave_rows(take(a + "q_proj.weight"), nh, hd),
+                                     _interleave_rows(take(a + "k_proj.weight"), nkv, hd), take(a + "v_proj.weight")]),
+                    qkv_b=cat_opt([None if qb is None else _interleave_rows(qb, nh, hd),
+                                   None if kb is None else _interleave_rows(kb, nkv, hd), maybe(a + "v_proj.bias")]),
                     o_w=take(a + "o_proj.weight"),
                     o_b=maybe(a + "o_proj.bias"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
@@ -162,25 +173,25 @@ class LlamaForCausalLM:
         n = input_ids.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q_size, kv_size = nh * hd, nkv * hd
-        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        freqs = self.freqs_cis[positions].unsqueeze(1)  # [n, 1, hd/2]
         h = F.embedding(input_ids, self.embed)
         eps = cfg.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            residual = h
             x = rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            q = _rotate(qkv[:, :q_size].view(n, nh, hd), cos, sin)
-            k = _rotate(qkv[:, q_size : q_size + kv_size].view(n, nkv, hd), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(n, nh + nkv, hd // 2, 2)
+            if qk.dtype != self.rope_dtype:
+                qk = qk.to(self.rope_dtype)
+            qk = torch.view_as_real(torch.view_as_complex(qk) * freqs).view(n, nh + nkv, hd).to(self.dtype)
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].view(n, nkv, hd)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
-            h = residual + F.linear(attn, layer.o_w, layer.o_b)
-            residual = h
+            h = F.linear(attn, layer.o_w, layer.o_b).add_(h)
             x = rms_norm(h, layer.post_norm, eps)
             gate_up = F.linear(x, layer.gate_up_w, layer.gate_up_b)
             inter = gate_up.shape[-1] // 2
-            x = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            h = residual + F.linear(x, layer.down_w, layer.down_b)
+            x = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            h = F.linear(x, layer.down_w, layer.down_b).add_(h)
         return rms_norm(h, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
