@@ -81,6 +81,8 @@ class ControlPlane:
         if version is not None:
             chosen = {_version(version): 100.0}
         elif weights is not None:
+            if not isinstance(weights, dict):
+                raise invalid_arg("'weights' must be a JSON object of version -> weight, e.g. {\"2\": 90, \"3\": 10}")
             chosen = {}
             for v, w in weights.items():
                 if isinstance(w, bool) or not isinstance(w, (int, float)):

@@ -287,6 +287,8 @@ class RepositoryManager:
         taking traffic now."""
         record = self._models.get(name)
         ready = record.ready() if record is not None else {}
+        if not ready:
+            raise not_found(f"model '{name}' has no READY version to route traffic to")
         if version is None:
             current = max(self.traffic(name) or [0])
             older = [v for v in ready if v < current]

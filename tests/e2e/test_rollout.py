@@ -200,9 +200,15 @@ def test_rollout_split_rollback_unload_under_load(tmp_path: Path) -> None:
     ({"weights": {"1": 0}}, "must not all be zero"),
     ({"weights": {"x": 1}}, "invalid model version"),
     ({}, "needs 'version' or 'weights'"),
+    ({"weights": [1]}, "must be a JSON object"),
 ])
 def test_rollout_refuses_bad_weights(pier: PierProcess, body: dict, message: str) -> None:
     r = requests.post(f"{pier.base()}/v2/repository/models/simple/rollout", json=body, timeout=10)
     assert r.status_code == 400 and message in r.json()["error"]
     assert requests.get(f"{pier.base()}/v2/repository/models/simple/traffic").json() == {
         "name": "simple", "traffic": {"1": 100.0}}
+
+
+def test_rollback_of_an_unknown_model_is_404(pier: PierProcess) -> None:
+    r = requests.post(f"{pier.base()}/v2/repository/models/nope/rollback", timeout=10)
+    assert r.status_code == 404 and "nope" in r.json()["error"]
