@@ -150,3 +150,6 @@ class ModelSignature:
     outputs: tuple[tuple[str, str, tuple[int, ...]], ...]
     optional_inputs: tuple[str, ...] = ()  # inputs a request may leave out
     decoupled: bool = False  # the model answers with any number of responses per request
+    max_batch_size: int | None = None  # when the model says so itself
+    dynamic_batching: bool = False  # the model asks for a dynamic batcher
+    shapes_include_batch: bool = True  # False: shapes are config dims (no batch dim), as Triton's python models give

@@ -26,7 +26,7 @@ from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext,
 from backends.python import triton_python_backend_utils as pb_utils
 from backends.python.bls import error_of, to_pb_request, to_pier_tensor
 from server.errors import internal, invalid_arg, unavailable
-from server.types import InferenceRequest
+from server.types import InferenceRequest, ModelSignature
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _import_lock = threading.Lock()
@@ -141,6 +141,37 @@ class PythonInstance(ModelInstance):
 class PythonBackend(Backend):
     name = "python"
     default_model_filename = "model.py"
+
+    def describe(self, model_path: Path) -> ModelSignature | None:
+        """Triton's auto-complete: a model's `auto_complete_config(auto_complete_model_config)`
+        static method declares its inputs, outputs, max_batch_size and transaction policy."""
+        module = _load_module(model_path, model_path.parent.parent.name)
+        cls = getattr(module, "TritonPythonModel", None)
+        hook = getattr(cls, "auto_complete_config", None)
+        if hook is None:
+            return None
+        config = pb_utils.ModelConfig({"name": model_path.parent.parent.name})
+        try:
+            hook(config)
+        except Exception as exc:
+            raise unavailable(f"auto_complete_config() of {model_path} failed: {type(exc).__name__}: {exc}") from None
+        doc = config.as_dict()
+
+        def tensors(kind: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+            out = []
+            for t in doc.get(kind, []):
+                datatype = str(t["data_type"])
+                datatype = datatype[len("TYPE_"):] if datatype.startswith("TYPE_") else datatype
+                out.append((t["name"], "BYTES" if datatype == "STRING" else datatype,
+                            tuple(int(d) for d in t["dims"])))
+            return tuple(out)
+
+        return ModelSignature(
+            tensors("input"), tensors("output"),
+            optional_inputs=tuple(t["name"] for t in doc.get("input", []) if t.get("optional")),
+            decoupled=bool(doc.get("model_transaction_policy", {}).get("decoupled", False)),
+            max_batch_size=int(doc["max_batch_size"]) if "max_batch_size" in doc else None,
+            dynamic_batching="dynamic_batching" in doc, shapes_include_batch=False)
 
     def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
         if model.services is not None:

@@ -346,3 +346,47 @@ class Logger:
 
 
 LogLevel = Logger.LogLevel
+
+
+class ModelConfig:
+    """What `TritonPythonModel.auto_complete_config(auto_complete_model_config)` receives: the
+    model's configuration so far, to which the model adds its inputs, outputs and settings."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._config = config
+        config.setdefault("input", [])
+        config.setdefault("output", [])
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def _add(self, kind: str, tensor: dict[str, Any]) -> None:
+        for key in ("name", "data_type", "dims"):
+            if key not in tensor:
+                raise TritonModelException(f"{kind} '{tensor.get('name', '')}' is missing '{key}'")
+        existing = [t for t in self._config[kind] if t.get("name") == tensor["name"]]
+        if existing:
+            old = existing[0]
+            if old.get("data_type") != tensor["data_type"] or list(old.get("dims", [])) != list(tensor["dims"]):
+                raise TritonModelException(f"{kind} '{tensor['name']}' already exists in the configuration with a "
+                                           "different data_type or dims")
+            return
+        self._config[kind].append(dict(tensor))
+
+    def add_input(self, input: dict[str, Any]) -> None:  # noqa: A002 - Triton's parameter name
+        self._add("input", input)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add("output", output)
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        self._config["max_batch_size"] = int(max_batch_size)
+
+    def set_dynamic_batching(self) -> None:
+        self._config.setdefault("dynamic_batching", {})
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        self._config["model_transaction_policy"] = dict(transaction_policy_dict)
+
+    def add_input_output_names(self) -> None:  # pragma: no cover - accepted for compatibility
+        pass

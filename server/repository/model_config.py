@@ -139,13 +139,17 @@ def _auto_complete_io(
     if sig is None:
         return
     all_shapes = [s for _, _, s in sig.inputs + sig.outputs]
-    if config.max_batch_size == 0 and not config.input and not config.output:
+    if sig.max_batch_size is not None and config.max_batch_size == 0:
+        config.max_batch_size = sig.max_batch_size
+        if sig.dynamic_batching and not _has_scheduler(config):
+            config.dynamic_batching.SetInParent()
+    elif config.max_batch_size == 0 and not config.input and not config.output:
         # Triton's ORT backend: batchable when every tensor has a variable first dim.
         if all_shapes and all(len(s) >= 1 and s[0] == -1 for s in all_shapes):
             config.max_batch_size = 4
             if not _has_scheduler(config):
                 config.dynamic_batching.SetInParent()
-    strip = 1 if config.max_batch_size > 0 else 0
+    strip = 1 if config.max_batch_size > 0 and sig.shapes_include_batch else 0
     for target, tensors in ((config.input, sig.inputs), (config.output, sig.outputs)):
         if len(target) > 0:
             continue

@@ -164,3 +164,22 @@ def test_python_model_load_errors(tmp_path: Path) -> None:
         assert index["add_sub_py"]["state"] == "READY"
     finally:
         assert server.stop() == 0
+
+
+def test_auto_complete_config_declares_the_tensors(server: PierProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    config = client.get_model_config("auto_add_sub")
+    assert config["max_batch_size"] == 8 and "dynamic_batching" in config
+    assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"] and config["input"][0]["dims"] == [4]
+    a = np.array([[1, 2, 3, 4]], np.float32)
+    inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    assert np.allclose(client.infer("auto_add_sub", inputs).as_numpy("OUTPUT0"), a * a)
+
+
+def test_bls_on_a_decoupled_model(server: PierProcess) -> None:
+    client = httpclient.InferenceServerClient(server.http_url)
+    inp = httpclient.InferInput("IN", [1], "INT32")
+    inp.set_data_from_numpy(np.array([4], dtype=np.int32))
+    assert int(client.infer("bls_decoupled_sum", [inp]).as_numpy("SUM")[0]) == 16  # 4 responses of 4
