@@ -21,10 +21,9 @@ class ControlPlane:
     def _require(self, modes: tuple[str, ...]) -> None:
         if self._mode in modes:
             return
-        if self._mode == "poll":
-            raise unavailable("explicit model load / unload is not allowed if polling is enabled")
-        raise unavailable(f"explicit model load / unload is not allowed if model control mode is "
-                          f"'{self._mode}' (start the server with --model-control-mode=explicit)")
+        # Triton 2.51 says this in both none and poll modes (503); Pier adds which mode it is.
+        raise unavailable(f"explicit model load / unload is not allowed if polling is enabled (model control mode "
+                          f"is '{self._mode}'; start the server with --model-control-mode=explicit)")
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         return self._manager.index(ready_only)
