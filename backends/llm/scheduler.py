@@ -72,15 +72,28 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # A prefill chunk leaves one token of budget for every decode behind it, so a long prompt
+        # admitted earlier never stalls sequences that are already generating.
+        decodes_left = sum(1 for s in self.running if len(s.token_ids) - s.num_computed == 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            remaining = len(seq.token_ids) - seq.num_computed
+            if remaining == 1:
+                decodes_left -= 1
+                num_new = 1
+            else:
+                num_new = min(remaining, budget - decodes_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
             copies = None
             while copies is None:
                 copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
                 if copies is None:
-                    victim = self.running.pop()  # the most recently admitted
+                    victim = self.running.pop()  # the most recently admitted (not yet scheduled)
+                    if victim is not seq and len(victim.token_ids) - victim.num_computed == 1:
+                        decodes_left -= 1
                     self._preempt(victim, out)
                     if victim is seq:
                         break
