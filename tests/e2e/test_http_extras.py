@@ -126,3 +126,17 @@ def test_unimplemented_extensions_answer_501(pier):
                          ("GET", "/v2/trace/setting"), ("GET", "/v2/logging")):
         r = requests.request(method, pier.base() + path, timeout=5)
         assert r.status_code == 501 and "not implemented" in r.json()["error"], path
+
+
+def test_generate_extension_on_an_ordinary_model(pier) -> None:
+    body = {"id": "g1", "INPUT0": list(range(16)), "parameters": {"INPUT1": [1] * 16, "custom": "kept"}}
+    r = requests.post(f"{pier.base()}/v2/models/simple/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["model_name"] == "simple" and doc["id"] == "g1"
+    assert doc["OUTPUT0"] == [i + 1 for i in range(16)] and doc["OUTPUT1"] == [i - 1 for i in range(16)]
+    r = requests.post(f"{pier.base()}/v2/models/simple/generate_stream", json=body, timeout=30)
+    assert r.status_code == 200 and r.text.startswith("data: ")
+    assert json.loads(r.text[len("data: "):].strip())["OUTPUT0"][3] == 4
+    r = requests.post(f"{pier.base()}/v2/models/simple/generate", json={"INPUT0": list(range(16))}, timeout=30)
+    assert r.status_code == 400 and "INPUT1" in r.json()["error"]
