@@ -151,11 +151,19 @@ class DataPlane:
         """One request, one response (models that are not decoupled)."""
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
-        if self._model(request.model_name, request.model_version).spec.decoupled:
+        # One lookup per request (as _admit does), inlined: this is the hot path.
+        model = self._model(request.model_name, request.model_version)
+        spec = model.spec
+        if spec.decoupled:
             raise unsupported(f"this end point doesn't support models with decoupled transaction policy: "
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
-        model, batch = self._admit(request)
-        self._begin()
+        try:
+            batch = validate_request(spec, request)
+        except PierError:
+            model.stats.record_request(False, 0, reason="OTHER")
+            raise
+        self._inflight += 1
+        self._idle.clear()
         try:
             result = await model.scheduler.enqueue(WorkItem(request, batch))
         finally:

@@ -68,38 +68,60 @@ def _names(names: list[str]) -> str:
     return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
+class _Plan:
+    """What validation needs from a spec, computed once per spec (specs never change)."""
+
+    __slots__ = ("required", "n_inputs", "sources", "batching", "out_reshape")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.required = tuple(t.name for t in spec.inputs if not t.optional)
+        self.n_inputs = len(spec.inputs)
+        self.sources = tuple(_batch_sources(spec))
+        self.batching = spec.max_batch_size > 0
+        self.out_reshape = any(t.reshape is not None for t in spec.outputs)
+
+
+def _plan(spec: ModelSpec) -> _Plan:
+    plan = spec.__dict__.get("_validation_plan")
+    if plan is None:
+        plan = _Plan(spec)
+        object.__setattr__(spec, "_validation_plan", plan)  # a cache on a frozen spec
+    return plan
+
+
 def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
     """Validate in place and return the batch size (1 for models that do not batch). Tensors
     whose config has `reshape` are reshaped to what the framework expects. Checks run in
     Triton's order (input count, then each input, then outputs) with Triton's wording."""
-    required = [t.name for t in spec.inputs if not t.optional]
-    given = [t.name for t in request.inputs]
-    if not len(required) <= len(given) <= len(spec.inputs):
-        _raise_count(spec, request, required, given)
+    plan = _plan(spec)
+    inputs = request.inputs
+    if not len(plan.required) <= len(inputs) <= plan.n_inputs:
+        _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
     batch: int | None = None
     seen: set[str] = set()
-    for tensor in request.inputs:
-        ts = spec.input(tensor.name)
+    for tensor in inputs:
+        name = tensor.name
+        ts = spec.input(name)
         if ts is None:
-            raise invalid_arg(f"{_prefix(request)}unexpected inference input '{tensor.name}' for model '{spec.name}'")
-        if tensor.name in seen:
-            raise invalid_arg(f"{_prefix(request)}input '{tensor.name}' already exists in request")
-        seen.add(tensor.name)
+            raise invalid_arg(f"{_prefix(request)}unexpected inference input '{name}' for model '{spec.name}'")
+        if name in seen:
+            raise invalid_arg(f"{_prefix(request)}input '{name}' already exists in request")
+        seen.add(name)
         if tensor.datatype != ts.datatype:
             raise invalid_arg(
-                f"{_prefix(request)}inference input '{tensor.name}' data-type is '{tensor.datatype}', "
+                f"{_prefix(request)}inference input '{name}' data-type is '{tensor.datatype}', "
                 f"but model '{spec.name}' expects '{ts.datatype}'"
             )
-        b = _check_shape(spec, ts, tensor, request)
+        b = _check_shape(spec, plan.batching, ts, tensor, request)
         if batch is None:
             batch = b
         elif b != batch:
             raise invalid_arg(
-                f"{_prefix(request)}input '{tensor.name}' batch size does not match other inputs for '{spec.name}'"
+                f"{_prefix(request)}input '{name}' batch size does not match other inputs for '{spec.name}'"
             )
-    if any(name not in seen for name in required):
-        _raise_count(spec, request, required, given)
-    for source in _batch_sources(spec):
+    if not seen.issuperset(plan.required):
+        _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
+    for source in plan.sources:
         if source not in seen:
             raise invalid_arg(
                 f"{_prefix(request)}input '{source}' is optional but model '{spec.name}' needs it to form "
@@ -130,31 +152,30 @@ def _raise_count(spec: ModelSpec, request: InferenceRequest, required: list[str]
     )
 
 
-def _check_shape(spec: ModelSpec, ts: TensorSpec, tensor: Tensor, request: InferenceRequest) -> int:
+def _check_shape(spec: ModelSpec, batching: bool, ts: TensorSpec, tensor: Tensor, request: InferenceRequest) -> int:
     shape = tensor.shape
     dims = ts.dims
     batch = 1
-    if spec.max_batch_size > 0:
-        expected = [-1, *dims]
+    lead = 0
+    if batching:
         if shape and shape[0] > spec.max_batch_size:
             raise invalid_arg(
                 f"{_prefix(request)}inference request batch-size must be <= {spec.max_batch_size} "
                 f"for '{spec.name}'"
             )
         if len(shape) != len(dims) + 1 or shape[0] < 1:
-            raise _shape_error(spec, ts, tensor, request, expected, note=True)
+            raise _shape_error(spec, ts, tensor, request, [-1, *dims], note=True)
         batch = shape[0]
-        rest = shape[1:]
-    else:
-        expected = list(dims)
-        rest = shape
+        lead = 1
     if ts.is_shape_tensor:
         return batch
-    if len(rest) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, rest)):
-        raise _shape_error(spec, ts, tensor, request, expected, note=spec.max_batch_size > 0)
+    if len(shape) != len(dims) + lead:
+        raise _shape_error(spec, ts, tensor, request, [-1, *dims] if batching else list(dims), note=batching)
+    for i, d in enumerate(dims):
+        if d != -1 and d != shape[i + lead]:
+            raise _shape_error(spec, ts, tensor, request, [-1, *dims] if batching else list(dims), note=batching)
     if ts.reshape is not None:
-        lead = [batch] if spec.max_batch_size > 0 else []
-        tensor.data = tensor.data.reshape(lead + list(ts.reshape))
+        tensor.data = tensor.data.reshape(([batch] if batching else []) + list(ts.reshape))
     return batch
 
 
@@ -168,6 +189,10 @@ def _shape_error(spec: ModelSpec, ts: TensorSpec, tensor: Tensor, request: Infer
 
 def to_api_outputs(spec: ModelSpec, outputs: list[Tensor], batch: int) -> list[Tensor]:
     """Map framework-shaped outputs back to their configured dims (undo `reshape`)."""
+    if not _plan(spec).out_reshape:
+        for t in outputs:
+            t.shape = list(t.data.shape)
+        return outputs
     for t in outputs:
         ts = spec.output(t.name)
         if ts is not None and ts.reshape is not None:

@@ -19,6 +19,10 @@ CompatKey = tuple[tuple[str, str, tuple[int, ...] | None], ...]
 def compat_key(request: InferenceRequest, ragged: frozenset[str] = frozenset()) -> CompatKey:
     """Requests with equal keys can share a batch: same inputs, datatypes and non-batch dims
     (a ragged input's dims do not count: any shapes may share a batch)."""
+    inputs = request.inputs
+    if len(inputs) == 1:  # the common case: nothing to sort
+        t = inputs[0]
+        return ((t.name, t.datatype, None if t.name in ragged else t.data.shape[1:]),)
     return tuple(sorted(
         (t.name, t.datatype, None if t.name in ragged else tuple(t.data.shape[1:])) for t in request.inputs
     ))

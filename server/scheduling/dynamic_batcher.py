@@ -78,6 +78,10 @@ class DynamicBatcher(Scheduler):
         self._next_seq = 0
         self._deliver_seq = 0
         self._finished: dict[int, tuple[list[_Pending], list[ExecuteResult]]] = {}
+        # Fixed per policy, read on every request: skip the timeout pass when no level can time out.
+        self._timeouts = any(q.default_timeout_us or q.allow_timeout_override
+                             for q in (policy.default_policy, *policy.level_policies.values()))
+        self._ragged = policy.layout.ragged_inputs if policy.layout is not None else frozenset()
 
     # ---- enqueue -------------------------------------------------------------------------
 
@@ -110,16 +114,18 @@ class DynamicBatcher(Scheduler):
             self._stats.record_request(False, 0, reason="REJECTED")
             raise unavailable("Exceeds maximum queue size")
         future = asyncio.get_running_loop().create_future()
-        layout = self._policy.layout
-        key = compat_key(item.request, layout.ragged_inputs if layout is not None else frozenset())
-        queue.append(_Pending(item, future, key, level, self._deadline(item, policy)))
+        key = compat_key(item.request, self._ragged)
+        deadline = self._deadline(item, policy) if self._timeouts else None
+        queue.append(_Pending(item, future, key, level, deadline))
         self._schedule()
-        return await future
+        return await future  # already done when the batch ran inline: no suspension
 
     def inflight_count(self) -> int:
         return self.pending_count() + self._executing
 
     def pending_count(self) -> int:
+        if len(self._queues) == 1:
+            return len(self._queues[0]) + len(self._delayed)
         return sum(len(q) for q in self._queues) + len(self._delayed)
 
     # ---- the batching loop ---------------------------------------------------------------
@@ -129,14 +135,15 @@ class DynamicBatcher(Scheduler):
         an instance is idle. Synchronous, so a request that can run at once starts in the same
         loop iteration it arrived in."""
         now = time.perf_counter_ns()
-        next_wake = self._expire(now)
+        next_wake = self._expire(now) if self._timeouts else None
         while self._idle > 0:
             batch, wait_until = self._next_batch(now)
             if not batch:
                 if wait_until is not None:
                     next_wake = wait_until if next_wake is None else min(next_wake, wait_until)
                 break
-            self._dispatch(batch)
+            if self._dispatch(batch):  # ran inline: time has passed
+                now = time.perf_counter_ns()
         if self._stopping and not self.pending_count() and not self._executing:
             self._drained.set()
         self._arm(next_wake, now)
@@ -153,6 +160,15 @@ class DynamicBatcher(Scheduler):
             self._timer = asyncio.get_running_loop().call_later(max(when_ns - now, 0) / 1e9, self._on_timer)
 
     def _on_timer(self) -> None:
+        # Every arrival and completion runs _schedule itself, so a timer that fires early (uvloop
+        # rounds sub-millisecond delays down to the next iteration) has nothing new to look at:
+        # re-arm it without a full pass. This keeps the short waits precise and cheap.
+        at = self._timer_at
+        if at is not None:
+            now = time.perf_counter_ns()
+            if now < at:
+                self._timer = asyncio.get_running_loop().call_later((at - now) / 1e9, self._on_timer)
+                return
         self._timer = self._timer_at = None
         self._schedule()
 
@@ -188,25 +204,30 @@ class DynamicBatcher(Scheduler):
     def _next_batch(self, now: int) -> tuple[list[_Pending], int | None]:
         """The batch to run now, or ([], when to look again)."""
         p = self._policy
+        max_size = p.max_batch_size
         candidate: list[_Pending] = []
-        sizes: list[int] = []
         total = 0
-        for pending in self._ordered():
+        key = None
+        ordered = self._queues[0] if len(self._queues) == 1 and not self._delayed else self._ordered()
+        for pending in ordered:
             if pending.future.done():  # cancelled by its client while queued
                 continue
-            if candidate and (pending.key != candidate[0].key or total + pending.item.batch_size > p.max_batch_size):
+            size = pending.item.batch_size
+            if candidate and (pending.key != key or total + size > max_size):
                 break
+            if not candidate:
+                key = pending.key
             candidate.append(pending)
-            sizes.append(pending.item.batch_size)
-            total += pending.item.batch_size
-            if total >= p.max_batch_size:
+            total += size
+            if total >= max_size:
                 break
         if not candidate:
-            self._drop_done()
+            if self.pending_count():
+                self._drop_done()
             return [], None
-        if total >= p.max_batch_size:
+        if total >= max_size:
             return self._take(candidate), None
-        preferred = self._longest_preferred_prefix(sizes)
+        preferred = self._longest_preferred_prefix([c.item.batch_size for c in candidate]) if p.preferred_sizes else 0
         full_stop = len(candidate) < self.pending_count()  # something queued could not join
         if preferred and (preferred == len(candidate) or full_stop):
             return self._take(candidate[:preferred]), None
@@ -225,12 +246,21 @@ class DynamicBatcher(Scheduler):
         return best
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
-        chosen = set(map(id, batch))
+        """Remove `batch` from the queues. It is a prefix of `_ordered()` once the cancelled
+        requests `_next_batch` skipped are left out, so pop from the fronts and put those back."""
+        i, n = 0, len(batch)
         for queue in (*self._queues, self._delayed):
-            if any(id(p) in chosen for p in queue):
-                kept = [p for p in queue if id(p) not in chosen]
-                queue.clear()
-                queue.extend(kept)
+            skipped: list[_Pending] = []
+            while i < n and queue:
+                p = queue.popleft()
+                if p is batch[i]:
+                    i += 1
+                else:
+                    skipped.append(p)
+            if skipped:
+                queue.extendleft(reversed(skipped))
+            if i == n:
+                break
         return batch
 
     def _drop_done(self) -> None:
@@ -242,25 +272,35 @@ class DynamicBatcher(Scheduler):
 
     # ---- execution -----------------------------------------------------------------------
 
-    def _dispatch(self, batch: list[_Pending]) -> None:
+    def _dispatch(self, batch: list[_Pending]) -> bool:
+        """Start `batch`; True when it already finished (ran inline, or could not be formed)."""
         self._idle -= 1
         self._executing += len(batch)
         seq = self._next_seq
         self._next_seq += 1
         try:
             requests = [p.item.request for p in batch]
-            job = self._pool.submit(requests if self._pool.unbatched else [merge(requests, self._policy.layout)])
+            job_requests = requests if self._pool.unbatched else [merge(requests, self._policy.layout)]
+            job = self._pool.run_inline(job_requests)
         except Exception as exc:  # the batch cannot be formed: fail its requests, nothing else
             err = exc if isinstance(exc, PierError) else internal(f"cannot form the batch: {exc}")
             now = time.perf_counter_ns()
-            job = asyncio.get_running_loop().create_future()
-            job.set_result(JobResult([err], now, now, now))
-        job.add_done_callback(lambda fut: self._on_done(seq, batch, fut))
+            job = JobResult([err], now, now, now)
+        if job is not None:
+            self._complete(seq, batch, job)
+            return True
+        fut = self._pool.submit_to_workers(job_requests)
+        fut.add_done_callback(lambda fut: self._on_done(seq, batch, fut))
+        return False
 
     def _on_done(self, seq: int, batch: list[_Pending], fut: asyncio.Future) -> None:
+        self._complete(seq, batch, fut.result())
+        self._schedule()
+
+    def _complete(self, seq: int, batch: list[_Pending], job: JobResult) -> None:
+        """Account for a finished batch and answer its requests (in order, if preserved)."""
         self._idle += 1
         self._executing -= len(batch)
-        job: JobResult = fut.result()
         sizes = [p.item.batch_size for p in batch]
         results: list[ExecuteResult]
         if self._pool.unbatched and len(job.results) == len(batch):
@@ -286,7 +326,6 @@ class DynamicBatcher(Scheduler):
                 self._deliver_seq += 1
         else:
             self._deliver(batch, results)
-        self._schedule()
 
     @staticmethod
     def _deliver(batch: list[_Pending], results: list[ExecuteResult]) -> None:

@@ -70,21 +70,38 @@ class InstancePool:
         self._avg_ns += (ns - self._avg_ns) * 0.05
         self._observed += 1
 
+    def run_inline(self, requests: Sequence[InferenceRequest]) -> JobResult | None:
+        """Run the job on the event loop now if the module doc's conditions hold (tiny executions,
+        queue empty, an instance free); None when it must go to the workers (`submit`)."""
+        if not (self._inline_ok and self._observed >= _WARMUP and self._avg_ns < INLINE_BELOW_NS
+                and self._jobs.empty()):
+            return None
+        for instance, lock in self._slots:
+            if lock.acquire(blocking=False):
+                try:
+                    picked = time.perf_counter_ns()
+                    results, timing = execute_timed(instance, requests)
+                finally:
+                    lock.release()
+                self._observe(timing.end_ns - timing.start_ns)
+                return JobResult(results, picked, timing.start_ns, timing.end_ns)
+        return None
+
     def submit(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
         """Queue a job (or run it inline, see the module doc); the future resolves on the loop."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if self._inline_ok and self._observed >= _WARMUP and self._avg_ns < INLINE_BELOW_NS and self._jobs.empty():
-            for instance, lock in self._slots:
-                if lock.acquire(blocking=False):
-                    try:
-                        picked = time.perf_counter_ns()
-                        results, timing = execute_timed(instance, requests)
-                    finally:
-                        lock.release()
-                    self._observe(timing.end_ns - timing.start_ns)
-                    fut.set_result(JobResult(results, picked, timing.start_ns, timing.end_ns))
-                    return fut
+        job = self.run_inline(requests)
+        if job is not None:
+            fut.set_result(job)
+        else:
+            self._jobs.put((requests, fut, loop))
+        return fut
+
+    def submit_to_workers(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
+        """Queue a job for the worker threads (the caller already tried `run_inline`)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         self._jobs.put((requests, fut, loop))
         return fut
 

@@ -62,25 +62,29 @@ def params_dict(params: Any) -> dict[str, Any]:
 def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
     raw = req.raw_input_contents
     model = req.model_name
-    if raw and len(raw) != len(req.inputs):
-        which = req.inputs[len(raw)].name if len(raw) < len(req.inputs) else ""
+    req_inputs = req.inputs
+    if raw and len(raw) != len(req_inputs):
+        which = req_inputs[len(raw)].name if len(raw) < len(req_inputs) else ""
         if which:
             raise invalid_arg(f"unable to find data for input tensor '{which}' for model '{model}'")
         raise invalid_arg(
-            f"raw_input_contents has {len(raw)} entries but the request has {len(req.inputs)} inputs"
+            f"raw_input_contents has {len(raw)} entries but the request has {len(req_inputs)} inputs"
         )
     inputs = []
-    for i, t in enumerate(req.inputs):
+    i = 0
+    for t in req_inputs:
         name, datatype = t.name, t.datatype
         if not is_datatype(datatype):
             raise invalid_arg(f"invalid datatype for input {name}")
-        shape = list(t.shape)
-        if any(d < 0 for d in shape):
+        shape = t.shape[:]
+        if shape and min(shape) < 0:
             raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
-        params = params_dict(t.parameters)
-        check_parameters(params)
-        if "shared_memory_region" in params:
-            raise unsupported("shared-memory inputs are not supported yet")
+        params: dict[str, Any] = {}
+        if t.parameters:  # rare: skip building and checking an empty dict
+            params = params_dict(t.parameters)
+            check_parameters(params)
+            if "shared_memory_region" in params:
+                raise unsupported("shared-memory inputs are not supported yet")
         if raw:
             if t.HasField("contents"):
                 raise invalid_arg(
@@ -91,17 +95,21 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
         else:
             data = _from_contents(t, datatype, shape, model)
         inputs.append(Tensor(name, datatype, shape, data, params))
+        i += 1
     outputs = []
-    for o in req.outputs:
-        params = params_dict(o.parameters)
+    if req.outputs:
+        for o in req.outputs:
+            params = params_dict(o.parameters)
+            check_parameters(params)
+            if "classification" in params:
+                raise unsupported("the classification extension is not supported")
+            if "shared_memory_region" in params:
+                raise unsupported("shared-memory outputs are not supported yet")
+            outputs.append(RequestedOutput(o.name, params))
+    params = {}
+    if req.parameters:
+        params = params_dict(req.parameters)
         check_parameters(params)
-        if "classification" in params:
-            raise unsupported("the classification extension is not supported")
-        if "shared_memory_region" in params:
-            raise unsupported("shared-memory outputs are not supported yet")
-        outputs.append(RequestedOutput(o.name, params))
-    params = params_dict(req.parameters)
-    check_parameters(params)
     return InferenceRequest(model, req.model_version, inputs, outputs, req.id, params)
 
 
