@@ -242,6 +242,10 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
     r = app.router
+    # Infer first: the router tries the resources under one path prefix in registration order,
+    # and these paths overlap no other route (so the order changes no answer, only the work).
+    for base in (model, versioned):
+        r.add_post(base + "/infer", h.infer)
     r.add_get("/v2/health/live", h.live)
     r.add_get("/v2/health/ready", h.ready)
     r.add_get("/v2", h.server_metadata)
@@ -251,7 +255,6 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
         r.add_get(base + "/ready", h.model_ready)
         r.add_get(base + "/config", h.model_config)
         r.add_get(base + "/stats", h.model_stats)
-        r.add_post(base + "/infer", h.infer)
         r.add_post(base + "/generate", h.generate)
         r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)

@@ -162,21 +162,25 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
     if not isinstance(datatype, str) or not is_datatype(datatype):
         raise invalid_arg(f"invalid datatype for input {name}")
     shape = item.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    if not isinstance(shape, list):
         raise invalid_arg(f"input '{name}' must have a 'shape' array of integers")
-    if any(d < 0 for d in shape):
+    for d in shape:  # parsed JSON: exact types, so `type(d) is int` excludes bools and floats
+        if type(d) is not int:
+            raise invalid_arg(f"input '{name}' must have a 'shape' array of integers")
+    if shape and min(shape) < 0:
         raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
     params = _dict(item.get("parameters"), f"parameters of input '{name}'")
     size = params.get("binary_data_size")
     has_data = "data" in item
-    present = [k for k, on in (("data", has_data), ("binary_data_size", size is not None),
-                                ("shared_memory_region", "shared_memory_region" in params)) if on]
-    if len(present) != 1:
+    shm = "shared_memory_region" in params
+    if has_data + (size is not None) + shm != 1:
+        present = [k for k, on in (("data", has_data), ("binary_data_size", size is not None),
+                                    ("shared_memory_region", shm)) if on]
         raise invalid_arg(f"{_ONE_OF} But {'none' if not present else ' and '.join(present)} set for input '{name}'")
-    if "shared_memory_region" in params:
+    if shm:
         raise unsupported("shared-memory inputs are not supported yet")
     if size is not None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        if type(size) is not int or size < 0:
             raise invalid_arg(f"binary_data_size of input '{name}' must be a non-negative integer")
         if offset + size > len(blobs):
             raise invalid_arg(
@@ -187,7 +191,10 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
         offset += size
     else:
         data = array_from_json(item["data"], datatype, shape, name)
-    rest = {k: v for k, v in params.items() if k != "binary_data_size"}
+    if len(params) == (size is not None):  # nothing but binary_data_size (or nothing at all)
+        rest: dict[str, Any] = {}
+    else:
+        rest = {k: v for k, v in params.items() if k != "binary_data_size"}
     return Tensor(name, datatype, shape, data, rest), offset
 
 
