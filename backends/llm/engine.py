@@ -97,6 +97,8 @@ class LLMEngine:
         if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
             self.max_model_len = mc.sliding_window  # no sliding-window attention: stay inside the window
         self.device = _device(cfg)
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
         self.model = LlamaForCausalLM.load(folder, mc, DTYPES[cfg.dtype], self.device, self.max_model_len + 1)
         per_block = kv_bytes_per_block(self.model, cfg.block_size)
         num_blocks = self._kv_budget() // per_block
