@@ -8,6 +8,8 @@ system prompt, prefix caching on vs off.
 
     .venv/bin/python -m bench.llm_bench            # full run (~6 minutes), writes bench/results/llm_engine.*
     .venv/bin/python -m bench.llm_bench --quick    # 16 requests, no vLLM: a smoke run (llm_engine-quick.*)
+    .venv/bin/python -m bench.llm_bench --threads 1  # every engine on one core (llm_engine-1thread.*): steadier
+                                                     # when other work shares the machine
 
 vLLM: `../shared/tools/vllm-reference/install.sh ~/vllm-ref` first (or --vllm-dir); skipped with a note
 when that venv is absent (--no-vllm skips it too).
@@ -292,6 +294,8 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     n = a.requests or (16 if a.quick else 64)
     name = "llm_engine-quick" if a.quick else "llm_engine"
+    if a.threads:
+        name += f"-{a.threads}thread"
     folder = build_model(CACHE / "llama27m")
     reqs = workload(n)
     total_out = sum(o for _, o in reqs)

@@ -1,6 +1,7 @@
 """Paged attention, reference torch version: K/V live in fixed-size blocks, read through block tables.
 
-Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V. A
+Cache layout, per layer: `[num_kv_heads, num_blocks, block_size, head_dim]` for K and for V
+(head-major, so that a gathered sequence is contiguous per head, which SDPA reads fastest). A
 token's slot is `block_id * block_size + offset`.
 
 The flattened batch of one step is ordered: decode tokens first (one per sequence, grouped by
@@ -73,9 +74,9 @@ def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots."""
-    kvh, hd = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+    kvh, hd = k_cache.shape[0], k_cache.shape[3]
+    k_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(
@@ -97,16 +98,16 @@ def paged_attention(
     n, heads, hd = q.shape
     kvh = k.shape[1]
     group = heads // kvh
-    bs = k_cache.shape[1]
+    bs = k_cache.shape[2]
     outs: list[torch.Tensor] = []
     for g in meta.decode_groups:
         b, nb = g.num_seqs, g.num_blocks
-        kb = workspace.get(0, (b * nb, bs, kvh, hd), q)
-        vb = workspace.get(1, (b * nb, bs, kvh, hd), q)
-        torch.index_select(k_cache, 0, g.block_ids, out=kb)
-        torch.index_select(v_cache, 0, g.block_ids, out=vb)
-        keys = kb.view(b, nb * bs, kvh, hd).transpose(1, 2)
-        values = vb.view(b, nb * bs, kvh, hd).transpose(1, 2)
+        kb = workspace.get(0, (kvh, b * nb, bs, hd), q)
+        vb = workspace.get(1, (kvh, b * nb, bs, hd), q)
+        torch.index_select(k_cache, 1, g.block_ids, out=kb)
+        torch.index_select(v_cache, 1, g.block_ids, out=vb)
+        keys = kb.view(kvh, b, nb * bs, hd).transpose(0, 1)
+        values = vb.view(kvh, b, nb * bs, hd).transpose(0, 1)
         # One query token per sequence: the `group` query heads sharing a KV head become rows.
         qg = q[g.start : g.start + b].view(b, kvh, group, hd)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=scale)
@@ -121,12 +122,12 @@ def paged_attention(
             assert p.block_ids is not None
             ctx = p.num_cached + p.num_tokens
             nb = p.block_ids.numel()
-            kb = workspace.get(0, (nb, bs, kvh, hd), q)
-            vb = workspace.get(1, (nb, bs, kvh, hd), q)
-            torch.index_select(k_cache, 0, p.block_ids, out=kb)
-            torch.index_select(v_cache, 0, p.block_ids, out=vb)
-            keys = kb.view(nb * bs, kvh, hd)[:ctx].transpose(0, 1).unsqueeze(0)
-            values = vb.view(nb * bs, kvh, hd)[:ctx].transpose(0, 1).unsqueeze(0)
+            kb = workspace.get(0, (kvh, nb, bs, hd), q)
+            vb = workspace.get(1, (kvh, nb, bs, hd), q)
+            torch.index_select(k_cache, 1, p.block_ids, out=kb)
+            torch.index_select(v_cache, 1, p.block_ids, out=vb)
+            keys = kb.view(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
+            values = vb.view(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
         outs.append(o.squeeze(0).transpose(0, 1).reshape(p.num_tokens, heads * hd))
     if len(outs) == 1:

@@ -30,13 +30,13 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype, device=model.device),
              torch.zeros(shape, dtype=model.dtype, device=model.device))
             for _ in range(cfg.num_layers)
         ]
-        cpu_shape = (num_cpu_blocks, *shape[1:])
+        cpu_shape = (cfg.num_kv_heads, num_cpu_blocks, block_size, cfg.head_dim)
         pin = model.device.type == "cuda"
         self.cpu_caches = [
             (torch.zeros(cpu_shape, dtype=model.dtype, pin_memory=pin),
@@ -130,17 +130,17 @@ class ModelRunner:
             src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=dev)
             dst = torch.tensor([c for _, c in so.blocks_to_swap_out])
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-                ck[dst] = k[src].cpu()
-                cv[dst] = v[src].cpu()
+                ck[:, dst] = k[:, src].cpu()
+                cv[:, dst] = v[:, src].cpu()
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=dev)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=dev)
             for k, v in self.kv_caches:
-                k[dst] = k[src]
-                v[dst] = v[src]
+                k[:, dst] = k[:, src]
+                v[:, dst] = v[:, src]
         if so.blocks_to_swap_in:
             src = torch.tensor([c for c, _ in so.blocks_to_swap_in])
             dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=dev)
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-                k[dst] = ck[src].to(dev)
-                v[dst] = cv[src].to(dev)
+                k[:, dst] = ck[:, src].to(dev)
+                v[:, dst] = cv[:, src].to(dev)
