@@ -148,7 +148,10 @@ class AsyncLLMEngine:
                 with self._lock:
                     rids = list(self._streams)
                 for rid in rids:
-                    self.engine.abort(rid)
+                    try:
+                        self.engine.abort(rid)
+                    except Exception:  # noqa: BLE001 - keep failing the rest
+                        pass
                     self._fail(rid, RuntimeError(f"LLM engine step failed: {e!r}"))
         with self._lock:
             rids = list(self._streams)
