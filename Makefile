@@ -22,7 +22,7 @@ test: $(VENV)/.installed perf-analyzer lint  ## lint, then every test (unit + e2
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy server
+	$(VENV)/bin/mypy server backends
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/server tests/backends

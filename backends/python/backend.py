@@ -98,8 +98,9 @@ class PythonInstance(ModelInstance):
         if not isinstance(response, pb_utils.InferenceResponse):
             return internal(f"python model '{self._spec.name}' returned {type(response).__name__}, "
                             "expected pb_utils.InferenceResponse")
-        if response.has_error():
-            return error_of(response.error())
+        error = response.error()
+        if error is not None:
+            return error_of(error)
         try:
             return [to_pier_tensor(t, self._out_types.get(t.name())) for t in response.output_tensors()]
         except Exception as exc:

@@ -32,7 +32,7 @@ from server.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
 try:
     import torch
 except ImportError as exc:  # optional dependency: fail only the TorchScript models
-    torch = None
+    torch = None  # type: ignore[assignment]
     _IMPORT_ERROR: str = str(exc)
 else:
     _IMPORT_ERROR = ""

@@ -33,8 +33,8 @@ try:
     import tensorrt as trt
     import torch
 except ImportError as exc:  # optional: only TensorRT models fail
-    trt = None
-    torch = None
+    trt = None  # type: ignore[assignment]
+    torch = None  # type: ignore[assignment]
     _IMPORT_ERROR = str(exc)
 else:
     _IMPORT_ERROR = ""
