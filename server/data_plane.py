@@ -117,16 +117,19 @@ class DataPlane:
     def is_decoupled(self, name: str, version: str = "") -> bool:
         return self._model(name, version).spec.decoupled
 
-    def _admit(self, request: InferenceRequest) -> tuple[LoadedModel, int]:
+    def _resolve(self, request: InferenceRequest) -> LoadedModel:
+        """The version this request goes to (one lookup per request: weighted routing picks here)."""
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
-        model = self._model(request.model_name, request.model_version)
+        return self._model(request.model_name, request.model_version)
+
+    @staticmethod
+    def _validate(model: LoadedModel, request: InferenceRequest) -> int:
         try:
-            batch = validate_request(model.spec, request)
+            return validate_request(model.spec, request)
         except PierError:
             model.stats.record_request(False, 0, reason="OTHER")
             raise
-        return model, batch
 
     def _begin(self) -> None:
         self._inflight += 1
@@ -149,21 +152,15 @@ class DataPlane:
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """One request, one response (models that are not decoupled)."""
-        if self._exiting:
-            raise unavailable("Server exiting: no new inference requests are accepted")
-        # One lookup per request (as _admit does), inlined: this is the hot path.
-        model = self._model(request.model_name, request.model_version)
-        spec = model.spec
-        if spec.decoupled:
+        model = self._resolve(request)
+        if model.spec.decoupled:
             raise unsupported(f"this end point doesn't support models with decoupled transaction policy: "
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
-        try:
-            batch = validate_request(spec, request)
-        except PierError:
-            model.stats.record_request(False, 0, reason="OTHER")
-            raise
-        self._inflight += 1
-        self._idle.clear()
+        return await self._infer(model, request)
+
+    async def _infer(self, model: LoadedModel, request: InferenceRequest) -> InferenceResponse:
+        batch = self._validate(model, request)
+        self._begin()
         try:
             result = await model.scheduler.enqueue(WorkItem(request, batch))
         finally:
@@ -177,11 +174,11 @@ class DataPlane:
         response the model sends (errors in-band as PierError), the last one carrying
         parameters["triton_final_response"] = True (with no outputs when the model sent its
         final flag alone). Closing the iterator early cancels the request."""
-        model = self._model(request.model_name, request.model_version)
+        model = self._resolve(request)
         if not model.spec.decoupled:
-            yield await self.infer(request)
+            yield await self._infer(model, request)
             return
-        model, batch = self._admit(request)
+        batch = self._validate(model, request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()
 

@@ -58,8 +58,6 @@ class LoadOverride:
 @dataclass
 class ModelRecord:
     name: str
-    path: Path | None = None
-    config: mc.ModelConfig | None = None
     error: str = ""  # model-level failure (bad config, no versions)
     versions: dict[int, VersionRecord] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -484,7 +482,7 @@ class RepositoryManager:
         for v in list(record.versions):
             if v not in wanted:
                 self._retire(record, v)
-        record.config, record.error, record.disk_fingerprint, record.removed = config, "", disk_fp, False
+        record.error, record.disk_fingerprint, record.removed = "", disk_fp, False
         if weights is not None:
             record.weights = weights
         self._refresh_routes(record)
@@ -537,7 +535,6 @@ class RepositoryManager:
                 target.write_bytes(content)
             self._drop_override(record)
             record.override_dir, record.override = root, override
-            record.path = root
             return root
         if src is None:
             if (override is None or not override.files) and record.override_dir is not None:
@@ -545,7 +542,6 @@ class RepositoryManager:
             raise invalid_arg("model not found in any model repository")
         self._drop_override(record)
         record.override = override if override is not None and override.config_json else None
-        record.path = src.path
         return src.path
 
     @staticmethod
