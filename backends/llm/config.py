@@ -8,6 +8,7 @@ from pathlib import Path
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
+_ATTENTION = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class EngineConfig:
     swap_space_bytes: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
+    # "auto": the compiled paged-attention kernel for decodes on CPU in float32 (built on first use,
+    # see kernels.py), the torch path otherwise; "torch": always the torch path.
+    attention: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -40,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"attention must be 'auto' or 'torch', got {self.attention!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -80,7 +86,7 @@ class EngineConfig:
 def _parse(name: str, text: str) -> object:
     if name in ("model_path",):
         return Path(text) if text else None
-    if name in ("dtype", "device", "preemption_mode"):
+    if name in ("dtype", "device", "preemption_mode", "attention"):
         return text.lower()
     if name == "enable_prefix_caching":
         low = text.lower()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, kv_bytes_per_block
@@ -105,7 +106,11 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.swap_space_bytes // per_block if cfg.preemption_mode == "swap" else 0)
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks)
+        decode_op = None
+        if (cfg.attention == "auto" and self.device.type == "cpu" and cfg.dtype == "float32"
+                and cfg.block_size <= 64 and mc.head_dim % 4 == 0):
+            decode_op = kernels.paged_decode_attention()
+        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks, decode_op)
         self.scheduler = Scheduler(cfg, self.kv)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())

@@ -5,9 +5,11 @@ Owns the KV cache tensors (device) and the swap area (CPU). Never touches queues
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, PrefillChunk, prefix_causal_mask
+from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillChunk, prefix_causal_mask
 from .models.llama import LlamaForCausalLM
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 
@@ -26,21 +28,23 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
 class ModelRunner:
     """Runs one step of the model over paged KV caches."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
+                 decode_op: Callable[..., None] | None = None) -> None:
         self.model = model
+        self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
         self.block_size = block_size
         cfg = model.cfg
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        kvh, hd = cfg.num_kv_heads, cfg.head_dim
+        k_block = (hd, block_size) if decode_op is not None else (block_size, hd)  # see attention.py
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=model.device),
-             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            (torch.zeros((kvh, num_blocks, *k_block), dtype=model.dtype, device=model.device),
+             torch.zeros((kvh, num_blocks, block_size, hd), dtype=model.dtype, device=model.device))
             for _ in range(cfg.num_layers)
         ]
-        cpu_shape = (cfg.num_kv_heads, num_cpu_blocks, block_size, cfg.head_dim)
         pin = model.device.type == "cuda"
         self.cpu_caches = [
-            (torch.zeros(cpu_shape, dtype=model.dtype, pin_memory=pin),
-             torch.zeros(cpu_shape, dtype=model.dtype, pin_memory=pin))
+            (torch.zeros((kvh, num_cpu_blocks, *k_block), dtype=model.dtype, pin_memory=pin),
+             torch.zeros((kvh, num_cpu_blocks, block_size, hd), dtype=model.dtype, pin_memory=pin))
             for _ in range(cfg.num_layers)
         ] if num_cpu_blocks else []
 
@@ -66,7 +70,11 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(s.seq_id)
         dev = self.model.device
-        groups = self._decode_groups(decodes, dev)
+        if self.decode_op is not None and decodes:
+            groups: list[DecodeGroup] = []
+            decode = self._decode_batch(decodes, dev)
+        else:
+            groups, decode = self._decode_groups(decodes, dev), None
         chunks: list[PrefillChunk] = []
         for s in prefills:
             n = len(s.token_ids)
@@ -85,7 +93,8 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(s.seq_id)
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, chunks)
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
+                                 k_transposed=self.decode_op is not None)
         hidden = self.model.forward(
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
         )
@@ -94,6 +103,15 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=dev)]
         return sample_ids, self.model.logits(hidden)
+
+    def _decode_batch(self, decodes: list[ScheduledSeq], dev: torch.device) -> DecodeBatch:
+        """Block tables (padded with block 0) and context lengths of every decode, for the kernel."""
+        assert self.decode_op is not None
+        width = max(len(s.block_table) for s in decodes)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+        return DecodeBatch(len(decodes), torch.tensor(tables, dtype=torch.int32, device=dev),
+                           torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int32, device=dev),
+                           self.decode_op)
 
     def _decode_groups(self, decodes: list[ScheduledSeq], dev: torch.device) -> list[DecodeGroup]:
         """Split the length-sorted decodes into a few groups, each padded to its longest context."""

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from backends.llm.config import EngineConfig
 from backends.llm.engine import LLMEngine
@@ -14,6 +15,12 @@ from backends.llm.sampling_params import SamplingParams
 from .tiny_model import build_model, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(params=["auto", "torch"])
+def attention(request: pytest.FixtureRequest) -> str:
+    """Both decode paths: the compiled kernel ("auto" on CPU float32) and the torch reference."""
+    return request.param
 
 
 def engine(folder: Path, **kw: object) -> LLMEngine:
@@ -28,17 +35,17 @@ def assert_drained(eng: LLMEngine) -> None:
     assert eng.kv.cpu_pool.num_free == eng.kv.cpu_pool.num_blocks
 
 
-def test_batch_of_different_lengths(llama_dir, prompts, reference):
-    eng = engine(llama_dir)
+def test_batch_of_different_lengths(llama_dir, prompts, reference, attention):
+    eng = engine(llama_dir, attention=attention)
     out = eng.generate(prompts, GREEDY)
     assert [o[0] for o in out] == reference
     assert_drained(eng)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_forced_preemption(llama_dir, prompts, reference, mode):
+def test_forced_preemption(llama_dir, prompts, reference, mode, attention):
     # 2 layers * 2 (K,V) * 4 tokens * 2 heads * 16 dims * 4 bytes = 2 KiB a block; 40 blocks = 160 tokens.
-    eng = engine(llama_dir, kv_cache_memory_bytes=40 * 2048, block_size=4, preemption_mode=mode,
+    eng = engine(llama_dir, attention=attention, kv_cache_memory_bytes=40 * 2048, block_size=4, preemption_mode=mode,
                  swap_space_bytes=200 * 2048, enable_prefix_caching=False)
     out = eng.generate(prompts, GREEDY)
     assert [o[0] for o in out] == reference
@@ -46,12 +53,12 @@ def test_forced_preemption(llama_dir, prompts, reference, mode):
     assert_drained(eng)
 
 
-def test_prefix_caching_shared_prefix(llama_dir):
+def test_prefix_caching_shared_prefix(llama_dir, attention):
     rng = random.Random(1)
     system = [rng.randrange(2, 320) for _ in range(45)]
     prompts = [system + [rng.randrange(2, 320) for _ in range(n)] for n in (1, 7, 20)]
     ref = hf_greedy(llama_dir, prompts, 24)
-    eng = engine(llama_dir, block_size=8)
+    eng = engine(llama_dir, attention=attention, block_size=8)
     first = eng.generate(prompts[:1], GREEDY)
     assert eng.stats().prefix_cache_hits == 0
     rest = eng.generate(prompts[1:], GREEDY)
@@ -64,11 +71,11 @@ def test_prefix_caching_shared_prefix(llama_dir):
     assert_drained(eng)
 
 
-def test_chunked_prefill_long_prompt(llama_dir, prompts, reference):
+def test_chunked_prefill_long_prompt(llama_dir, prompts, reference, attention):
     rng = random.Random(2)
     long_prompt = [rng.randrange(2, 320) for _ in range(150)]
     ref_long = hf_greedy(llama_dir, [long_prompt], 24)[0]
-    eng = engine(llama_dir, max_num_batched_tokens=32)
+    eng = engine(llama_dir, attention=attention, max_num_batched_tokens=32)
     for i, p in enumerate(prompts[:3]):
         eng.add_request(f"short{i}", p, GREEDY)
     got: dict[str, list[int]] = {}
@@ -123,3 +130,17 @@ def test_half_precision_runs(llama_dir, prompts):
     for dtype in ("bfloat16", "float16"):
         out = engine(llama_dir, dtype=dtype).generate(prompts[:2], GREEDY)
         assert all(len(o[0]) == 24 for o in out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (scripts/gpu_check.sh runs this)")
+def test_cuda_matches_transformers_on_cuda(llama_dir, prompts):
+    ref = hf_greedy(llama_dir, prompts, 24, device="cuda")
+    eng = engine(llama_dir, device="cuda")
+    assert eng.device.type == "cuda" and eng.runner.decode_op is None  # the torch paged-attention path
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == ref
+    # a tiny block pool on the GPU: swapping blocks to CPU memory and back keeps the tokens
+    eng = engine(llama_dir, device="cuda", kv_cache_memory_bytes=40 * 2048, block_size=4, preemption_mode="swap",
+                 swap_space_bytes=200 * 2048, enable_prefix_caching=False)
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == ref
+    assert eng.stats().num_preemptions > 0
+    assert_drained(eng)

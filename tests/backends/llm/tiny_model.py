@@ -66,17 +66,17 @@ def build_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: o
     return folder
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding effects)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).to(device)
     model.eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
