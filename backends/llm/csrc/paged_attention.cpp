@@ -8,7 +8,8 @@
 // sums V, for the `group` query heads that share the KV head. Nothing is gathered or padded: a
 // task reads exactly its own blocks once for K and once for V.
 //
-// Vector width is chosen at load time (gcc target_clones: AVX-512, AVX2, or baseline x86-64),
+// Vector width is chosen at load time (gcc target_clones: x86-64-v4 = AVX-512, x86-64-v3 =
+// AVX2 + FMA, or baseline x86-64),
 // so the library runs on any x86-64 CPU and uses the widest units it has.
 
 #include <ATen/Parallel.h>
@@ -24,7 +25,7 @@
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PIER_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define PIER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define PIER_CLONES
 #endif
@@ -62,44 +63,48 @@ struct Task {
 };
 
 constexpr int kMaxBlock = 64;
+constexpr int kMaxHead = 256;
 
 // HD / BS: head_dim and block_size when known at compile time (0: read them at run time).
-template <int HD, int BS>
+// P: independent partial sums in the scoring loop (head_dim must be a multiple of it).
+template <int HD, int BS, int P>
 __attribute__((always_inline)) inline void attend_impl(const Task& task, int group, int hd_rt, int bs_rt,
-                                                       float scale, float* scores, float* acc) {
+                                                       float scale, float* scores) {
   const int hd = HD ? HD : hd_rt;
   const int bs = BS ? BS : bs_rt;
   const int ctx = task.ctx;
   const int64_t block_elems = static_cast<int64_t>(bs) * hd;
   // Scores, one block at a time: K is stored [head_dim][block_size] inside a block, so q . k_t
-  // for the block's tokens is `head_dim` vector FMAs across the tokens; four partial sums break
-  // the dependency chain.
+  // for the block's tokens is `head_dim` vector FMAs across the tokens; P partial sums keep P
+  // FMA chains in flight instead of one.
   for (int t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
     const float* kb = task.k + static_cast<int64_t>(task.table[blk]) * block_elems;
     const int n = std::min(bs, ctx - t0);
     for (int g = 0; g < group; ++g) {
       const float* qg = task.q + g * task.q_head_stride;
-      float s0[kMaxBlock], s1[kMaxBlock], s2[kMaxBlock], s3[kMaxBlock];
+      float part[P][kMaxBlock];
+      for (int u = 0; u < P; ++u) {
 #pragma omp simd
-      for (int j = 0; j < bs; ++j) s0[j] = s1[j] = s2[j] = s3[j] = 0.0f;
-      for (int d = 0; d < hd; d += 4) {
-        const float q0 = qg[d], q1 = qg[d + 1], q2 = qg[d + 2], q3 = qg[d + 3];
+        for (int j = 0; j < bs; ++j) part[u][j] = 0.0f;
+      }
+      for (int d = 0; d < hd; d += P) {
         const float* r = kb + static_cast<int64_t>(d) * bs;
+        for (int u = 0; u < P; ++u) {
+          const float qd = qg[d + u];
 #pragma omp simd
-        for (int j = 0; j < bs; ++j) {
-          s0[j] += q0 * r[j];
-          s1[j] += q1 * r[bs + j];
-          s2[j] += q2 * r[2 * bs + j];
-          s3[j] += q3 * r[3 * bs + j];
+          for (int j = 0; j < bs; ++j) part[u][j] += qd * r[u * bs + j];
         }
       }
+      for (int u = 1; u < P; ++u) {
+#pragma omp simd
+        for (int j = 0; j < bs; ++j) part[0][j] += part[u][j];
+      }
       float* s = scores + g * ctx + t0;
-      for (int j = 0; j < n; ++j) s[j] = ((s0[j] + s1[j]) + (s2[j] + s3[j])) * scale;
+      for (int j = 0; j < n; ++j) s[j] = part[0][j] * scale;
     }
   }
-  // Softmax per query head; the 1/sum is applied to the output at the end.
-  float inv[64];
   for (int g = 0; g < group; ++g) {
+    // Softmax; the 1/sum is applied to the output at the end.
     float* s = scores + g * ctx;
     float m = s[0];
     for (int t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
@@ -110,41 +115,168 @@ __attribute__((always_inline)) inline void attend_impl(const Task& task, int gro
       s[t] = e;
       sum += e;
     }
-    inv[g] = 1.0f / sum;
-  }
-  // Weighted sum of V.
-  std::fill(acc, acc + group * hd, 0.0f);
-  for (int t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
-    const float* vb = task.v + static_cast<int64_t>(task.table[blk]) * block_elems;
-    const int n = std::min(bs, ctx - t0);
-    for (int g = 0; g < group; ++g) {
-      const float* p = scores + g * ctx + t0;
-      float* a = acc + g * hd;
-      for (int j = 0; j < n; ++j) {
-        const float pj = p[j];
-        const float* vt = vb + static_cast<int64_t>(j) * hd;
+    // Weighted sum of V into local accumulators (two, for even and odd tokens: two FMA chains).
+    float a0[HD ? HD : kMaxHead], a1[HD ? HD : kMaxHead];
 #pragma omp simd
-        for (int d = 0; d < hd; ++d) a[d] += pj * vt[d];
+    for (int d = 0; d < hd; ++d) a0[d] = a1[d] = 0.0f;
+    for (int t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
+      const float* vb = task.v + static_cast<int64_t>(task.table[blk]) * block_elems;
+      const float* p = s + t0;
+      const int n = std::min(bs, ctx - t0);
+      int j = 0;
+      for (; j + 1 < n; j += 2) {
+        const float p0 = p[j], p1 = p[j + 1];
+        const float* v0 = vb + static_cast<int64_t>(j) * hd;
+        const float* v1 = v0 + hd;
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) {
+          a0[d] += p0 * v0[d];
+          a1[d] += p1 * v1[d];
+        }
+      }
+      if (j < n) {
+        const float p0 = p[j];
+        const float* v0 = vb + static_cast<int64_t>(j) * hd;
+#pragma omp simd
+        for (int d = 0; d < hd; ++d) a0[d] += p0 * v0[d];
       }
     }
-  }
-  for (int g = 0; g < group; ++g) {
     float* o = task.out + static_cast<int64_t>(g) * hd;
-    const float* a = acc + g * hd;
-    const float r = inv[g];
+    const float r = 1.0f / sum;
 #pragma omp simd
-    for (int d = 0; d < hd; ++d) o[d] = a[d] * r;
+    for (int d = 0; d < hd; ++d) o[d] = (a0[d] + a1[d]) * r;
   }
 }
 
-PIER_CLONES void attend_64_16(const Task& t, int group, int hd, int bs, float scale, float* s, float* a) {
-  attend_impl<64, 16>(t, group, hd, bs, scale, s, a);
+// The block_size 16 path, written with GCC vector extensions: a v16 is one row of a K block (16
+// tokens) or 16 channels of a V row, and the compiler maps it to one zmm, two ymm or four xmm
+// registers in the AVX-512, AVX2 and baseline clones. HD: head_dim if known at compile time.
+typedef float v16 __attribute__((vector_size(64)));
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
-PIER_CLONES void attend_128_16(const Task& t, int group, int hd, int bs, float scale, float* s, float* a) {
-  attend_impl<128, 16>(t, group, hd, bs, scale, s, a);
+
+// exp_nonpos on 16 lanes at once (the auto-vectoriser leaves the scalar one scalar in some clones).
+static inline v16 exp16_nonpos(v16 x) {
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  const v16 t = x * 1.4426950408889634f;
+  const v16i ni = __builtin_convertvector(t - 0.5f, v16i);  // round to nearest: t <= 0, trunc(t - 1/2)
+  const v16 f = (t - __builtin_convertvector(ni, v16)) * 0.6931471805599453f;
+  v16 p = f * 1.9841269841269841e-4f + 1.3888888888888889e-3f;
+  p = p * f + 8.3333333333333333e-3f;
+  p = p * f + 4.1666666666666667e-2f;
+  p = p * f + 1.6666666666666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const v16i bits = (ni + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
-PIER_CLONES void attend_any(const Task& t, int group, int hd, int bs, float scale, float* s, float* a) {
-  attend_impl<0, 0>(t, group, hd, bs, scale, s, a);
+
+template <int HD>
+__attribute__((always_inline)) inline void attend16_impl(const Task& task, int group, int hd_rt, float scale,
+                                                         float* scores) {
+  constexpr int bs = 16;
+  const int hd = HD ? HD : hd_rt;
+  const int ctx = task.ctx;
+  const int64_t block_elems = static_cast<int64_t>(bs) * hd;
+  const int nblocks = (ctx + bs - 1) / bs;
+  for (int g = 0; g < group; ++g) {
+    const float* qg = task.q + g * task.q_head_stride;
+    float* s = scores + g * ctx;
+    // Scores: 8 partial sums over the channels, 8 FMA chains in flight.
+    v16 mx = v16{} - 3.0e38f;
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const float* kb = task.k + static_cast<int64_t>(task.table[blk]) * block_elems;
+      v16 p0 = {}, p1 = {}, p2 = {}, p3 = {}, p4 = {}, p5 = {}, p6 = {}, p7 = {};
+      for (int d = 0; d < hd; d += 8) {
+        const float* r = kb + d * bs;
+        p0 += qg[d] * load16(r);
+        p1 += qg[d + 1] * load16(r + bs);
+        p2 += qg[d + 2] * load16(r + 2 * bs);
+        p3 += qg[d + 3] * load16(r + 3 * bs);
+        p4 += qg[d + 4] * load16(r + 4 * bs);
+        p5 += qg[d + 5] * load16(r + 5 * bs);
+        p6 += qg[d + 6] * load16(r + 6 * bs);
+        p7 += qg[d + 7] * load16(r + 7 * bs);
+      }
+      const v16 sc = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) * scale;
+      const int n = std::min(bs, ctx - blk * bs);
+      if (n == bs) {
+        std::memcpy(s + blk * bs, &sc, sizeof(sc));
+        mx = mx > sc ? mx : sc;
+      } else {
+        for (int j = 0; j < n; ++j) s[blk * bs + j] = sc[j];
+      }
+    }
+    float m = mx[0];
+    for (int j = 1; j < bs; ++j) m = mx[j] > m ? mx[j] : m;
+    for (int t = (ctx / bs) * bs; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    // Softmax numerators; 1/sum is applied to the output.
+    v16 sums = {};
+    int t = 0;
+    for (; t + bs <= ctx; t += bs) {
+      const v16 e = exp16_nonpos(load16(s + t) - m);
+      std::memcpy(s + t, &e, sizeof(e));
+      sums += e;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < bs; ++j) sum += sums[j];
+    for (; t < ctx; ++t) {
+      s[t] = exp_nonpos(s[t] - m);
+      sum += s[t];
+    }
+    // Weighted sum of V: head_dim / 16 accumulators, two sets (even and odd tokens).
+    constexpr int kChunks = HD ? HD / 16 : kMaxHead / 16;
+    const int chunks = hd / 16;
+    v16 a0[kChunks], a1[kChunks];
+    for (int c = 0; c < chunks; ++c) a0[c] = a1[c] = v16{};
+    for (int blk = 0; blk < nblocks; ++blk) {
+      const float* vb = task.v + static_cast<int64_t>(task.table[blk]) * block_elems;
+      const float* p = s + blk * bs;
+      const int n = std::min(bs, ctx - blk * bs);
+      int j = 0;
+      for (; j + 1 < n; j += 2) {
+        const float w0 = p[j], w1 = p[j + 1];
+        const float* v0 = vb + j * hd;
+        for (int c = 0; c < chunks; ++c) {
+          a0[c] += w0 * load16(v0 + 16 * c);
+          a1[c] += w1 * load16(v0 + hd + 16 * c);
+        }
+      }
+      if (j < n) {
+        const float w0 = p[j];
+        const float* v0 = vb + j * hd;
+        for (int c = 0; c < chunks; ++c) a0[c] += w0 * load16(v0 + 16 * c);
+      }
+    }
+    float* o = task.out + static_cast<int64_t>(g) * hd;
+    const float r = 1.0f / sum;
+    for (int c = 0; c < chunks; ++c) {
+      const v16 res = (a0[c] + a1[c]) * r;
+      std::memcpy(o + 16 * c, &res, sizeof(res));
+    }
+  }
+}
+
+PIER_CLONES void attend_64_16(const Task& t, int group, int hd, int, float scale, float* s) {
+  attend16_impl<64>(t, group, hd, scale, s);
+}
+PIER_CLONES void attend_128_16(const Task& t, int group, int hd, int, float scale, float* s) {
+  attend16_impl<128>(t, group, hd, scale, s);
+}
+PIER_CLONES void attend_x_16(const Task& t, int group, int hd, int, float scale, float* s) {
+  attend16_impl<0>(t, group, hd, scale, s);
+}
+PIER_CLONES void attend_any(const Task& t, int group, int hd, int bs, float scale, float* s) {
+  attend_impl<0, 0, 4>(t, group, hd, bs, scale, s);
 }
 
 // out [B, heads * head_dim] (written); q [B, heads, head_dim] (head_dim contiguous, any row and
@@ -174,8 +306,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int kvh = static_cast<int>(v_cache.size(0));
   const int bs = static_cast<int>(v_cache.size(2));
   TORCH_CHECK(v_cache.size(3) == hd, "head_dim differs between q and the cache");
-  TORCH_CHECK(hd % 4 == 0 && bs <= kMaxBlock, "head_dim must be a multiple of 4 and block_size at most 64");
-  TORCH_CHECK(heads % kvh == 0 && heads / kvh <= 64, "query heads must be a multiple (<= 64) of KV heads");
+  TORCH_CHECK(hd % 4 == 0 && hd <= kMaxHead && bs <= kMaxBlock,
+              "head_dim must be a multiple of 4 up to 256, and block_size at most 64");
+  TORCH_CHECK(heads % kvh == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.size(0) == batch, "one block table per sequence");
   TORCH_CHECK(out.is_contiguous() && out.numel() == batch * heads * hd, "out must be contiguous [B, heads*head_dim]");
   const int group = heads / kvh;
@@ -201,10 +334,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const float fscale = static_cast<float>(scale);
   // Tasks are dealt round-robin, so threads share long and short sequences alike.
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  auto attend = hd == 64 && bs == 16 ? attend_64_16 : hd == 128 && bs == 16 ? attend_128_16 : attend_any;
+  auto attend = bs != 16 || hd % 16 ? attend_any : hd == 64 ? attend_64_16 : hd == 128 ? attend_128_16 : attend_x_16;
   at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group) * max_ctx);
-    std::vector<float> acc(static_cast<size_t>(group) * hd);
     for (int64_t tid = begin; tid < end; ++tid) {
       for (int64_t i = tid; i < num_tasks; i += nthreads) {
         const int64_t b = i / kvh;
@@ -212,7 +344,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
         Task task{qp + b * q.stride(0) + static_cast<int64_t>(h) * group * q.stride(1), q.stride(1),
                   kp + h * head_slice, vp + h * head_slice, tables + b * max_blocks, static_cast<int>(lens[b]),
                   op + (b * heads + static_cast<int64_t>(h) * group) * hd};
-        attend(task, group, hd, bs, fscale, scores.data(), acc.data());
+        attend(task, group, hd, bs, fscale, scores.data());
       }
     }
   });
