@@ -52,6 +52,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 @dataclass
 class _Layer:
+    """Projection weights are stored transposed, [in, out] (see `_proj`)."""
+
     input_norm: torch.Tensor
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
@@ -62,6 +64,12 @@ class _Layer:
     gate_up_b: torch.Tensor | None
     down_w: torch.Tensor
     down_b: torch.Tensor | None
+
+
+def _proj(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w_t (+ bias) with the weight stored [in, out]: MKL's plain layout. `F.linear` with the
+    [out, in] weight runs 2-3x slower at 16-32 rows, a decode step's usual size (bench/llm_bench.py)."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,11 +141,17 @@ class LlamaForCausalLM:
                 raise ValueError("projection biases present for some of q/k/v (or gate/up) only")
             return torch.cat([p for p in parts if p is not None]).contiguous()
 
+        def t(w: torch.Tensor) -> torch.Tensor:
+            return w.t().contiguous()
+
         cfg = self.cfg
-        self.embed = take("model.embed_tokens.weight")
+        embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         head = maybe("lm_head.weight")
-        self.lm_head = head if head is not None else self.embed
+        self.embed = embed
+        # An untied lm_head is stored [hidden, vocab] like the projections; a tied one stays the
+        # embedding itself (one copy of the largest matrix; logits then use F.linear).
+        self.lm_head = t(head) if head is not None else None
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
@@ -146,16 +160,17 @@ class LlamaForCausalLM:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv_w=torch.cat([_interleave_rows(take(a + "q_proj.weight"), nh, hd),
-                                     _interleave_rows(take(a + "k_proj.weight"), nkv, hd), take(a + "v_proj.weight")]),
+                    qkv_w=t(torch.cat([_interleave_rows(take(a + "q_proj.weight"), nh, hd),
+                                       _interleave_rows(take(a + "k_proj.weight"), nkv, hd),
+                                       take(a + "v_proj.weight")])),
                     qkv_b=cat_opt([None if qb is None else _interleave_rows(qb, nh, hd),
                                    None if kb is None else _interleave_rows(kb, nkv, hd), maybe(a + "v_proj.bias")]),
-                    o_w=take(a + "o_proj.weight"),
+                    o_w=t(take(a + "o_proj.weight")),
                     o_b=maybe(a + "o_proj.bias"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up_w=torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                    gate_up_w=t(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])),
                     gate_up_b=cat_opt([maybe(m + "gate_proj.bias"), maybe(m + "up_proj.bias")]),
-                    down_w=take(m + "down_proj.weight"),
+                    down_w=t(take(m + "down_proj.weight")),
                     down_b=maybe(m + "down_proj.bias"),
                 )
             )
@@ -178,7 +193,7 @@ class LlamaForCausalLM:
         eps = cfg.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = _proj(x, layer.qkv_w, layer.qkv_b)
             qk = qkv[:, : q_size + kv_size].view(n, nh + nkv, hd // 2, 2)
             if qk.dtype != self.rope_dtype:
                 qk = qk.to(self.rope_dtype)
@@ -186,15 +201,17 @@ class LlamaForCausalLM:
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].view(n, nkv, hd)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
-            h = F.linear(attn, layer.o_w, layer.o_b).add_(h)
+            h = _proj(attn, layer.o_w, layer.o_b).add_(h)
             x = rms_norm(h, layer.post_norm, eps)
-            gate_up = F.linear(x, layer.gate_up_w, layer.gate_up_b)
+            gate_up = _proj(x, layer.gate_up_w, layer.gate_up_b)
             inter = gate_up.shape[-1] // 2
             x = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            h = F.linear(x, layer.down_w, layer.down_b).add_(h)
+            h = _proj(x, layer.down_w, layer.down_b).add_(h)
         return rms_norm(h, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [M, vocab] for the selected hidden rows."""
-        assert self.lm_head is not None
-        return F.linear(hidden, self.lm_head).float()
+        if self.lm_head is None:
+            assert self.embed is not None
+            return F.linear(hidden, self.embed).float()
+        return torch.mm(hidden, self.lm_head).float()
