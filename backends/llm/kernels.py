@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def _build() -> Callable[..., None] | None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
+        start = time.monotonic()
+        log.info("loading the LLM CPU kernels (compiled on first use on this machine, about 10 s)")
         cpp_extension.load(
             name="pier_llm_kernels",
             sources=[str(s) for s in _SOURCES],
@@ -49,6 +52,7 @@ def _build() -> Callable[..., None] | None:
             is_python_module=False,
             verbose=False,
         )
+        log.info("LLM CPU kernels ready in %.1f s", time.monotonic() - start)
         return torch.ops.pier_llm.paged_decode_attention
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("LLM CPU kernels unavailable, using torch attention instead: %s", str(exc).splitlines()[0][:300])
