@@ -148,8 +148,8 @@ __attribute__((always_inline)) inline void attend_impl(const Task& task, int gro
   }
 }
 
-// The block_size 16 path, written with GCC vector extensions: a v16 is one row of a K block (16
-// tokens) or 16 channels of a V row, and the compiler maps it to one zmm, two ymm or four xmm
+// The block_size 16 and 32 path, written with GCC vector extensions: a v16 is 16 tokens of a K
+// block row or 16 channels of a V row, and the compiler maps it to one zmm, two ymm or four xmm
 // registers in the AVX-512, AVX2 and baseline clones. HD: head_dim if known at compile time.
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -180,21 +180,23 @@ static inline v16 exp16_nonpos(v16 x) {
   return p * scale;
 }
 
-template <int HD>
+template <int HD, int BS>
 __attribute__((always_inline)) inline void attend16_impl(const Task& task, int group, int hd_rt, float scale,
                                                          float* scores) {
-  constexpr int bs = 16;
+  constexpr int bs = BS;
+  constexpr int W = 16;  // tokens per v16 chunk; a block holds bs / W chunks
   const int hd = HD ? HD : hd_rt;
   const int ctx = task.ctx;
   const int64_t block_elems = static_cast<int64_t>(bs) * hd;
   const int nblocks = (ctx + bs - 1) / bs;
+  const int nchunks = (ctx + W - 1) / W;
   for (int g = 0; g < group; ++g) {
     const float* qg = task.q + g * task.q_head_stride;
     float* s = scores + g * ctx;
     // Scores: 8 partial sums over the channels, 8 FMA chains in flight.
     v16 mx = v16{} - 3.0e38f;
-    for (int blk = 0; blk < nblocks; ++blk) {
-      const float* kb = task.k + static_cast<int64_t>(task.table[blk]) * block_elems;
+    for (int c = 0; c < nchunks; ++c) {
+      const float* kb = task.k + static_cast<int64_t>(task.table[c / (bs / W)]) * block_elems + (c % (bs / W)) * W;
       v16 p0 = {}, p1 = {}, p2 = {}, p3 = {}, p4 = {}, p5 = {}, p6 = {}, p7 = {};
       for (int d = 0; d < hd; d += 8) {
         const float* r = kb + d * bs;
@@ -208,27 +210,27 @@ __attribute__((always_inline)) inline void attend16_impl(const Task& task, int g
         p7 += qg[d + 7] * load16(r + 7 * bs);
       }
       const v16 sc = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) * scale;
-      const int n = std::min(bs, ctx - blk * bs);
-      if (n == bs) {
-        std::memcpy(s + blk * bs, &sc, sizeof(sc));
+      const int n = std::min(W, ctx - c * W);
+      if (n == W) {
+        std::memcpy(s + c * W, &sc, sizeof(sc));
         mx = mx > sc ? mx : sc;
       } else {
-        for (int j = 0; j < n; ++j) s[blk * bs + j] = sc[j];
+        for (int j = 0; j < n; ++j) s[c * W + j] = sc[j];
       }
     }
     float m = mx[0];
-    for (int j = 1; j < bs; ++j) m = mx[j] > m ? mx[j] : m;
-    for (int t = (ctx / bs) * bs; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    for (int j = 1; j < W; ++j) m = mx[j] > m ? mx[j] : m;
+    for (int t = (ctx / W) * W; t < ctx; ++t) m = s[t] > m ? s[t] : m;
     // Softmax numerators; 1/sum is applied to the output.
     v16 sums = {};
     int t = 0;
-    for (; t + bs <= ctx; t += bs) {
+    for (; t + W <= ctx; t += W) {
       const v16 e = exp16_nonpos(load16(s + t) - m);
       std::memcpy(s + t, &e, sizeof(e));
       sums += e;
     }
     float sum = 0.0f;
-    for (int j = 0; j < bs; ++j) sum += sums[j];
+    for (int j = 0; j < W; ++j) sum += sums[j];
     for (; t < ctx; ++t) {
       s[t] = exp_nonpos(s[t] - m);
       sum += s[t];
@@ -267,13 +269,16 @@ __attribute__((always_inline)) inline void attend16_impl(const Task& task, int g
 }
 
 PIER_CLONES void attend_64_16(const Task& t, int group, int hd, int, float scale, float* s) {
-  attend16_impl<64>(t, group, hd, scale, s);
+  attend16_impl<64, 16>(t, group, hd, scale, s);
 }
 PIER_CLONES void attend_128_16(const Task& t, int group, int hd, int, float scale, float* s) {
-  attend16_impl<128>(t, group, hd, scale, s);
+  attend16_impl<128, 16>(t, group, hd, scale, s);
 }
 PIER_CLONES void attend_x_16(const Task& t, int group, int hd, int, float scale, float* s) {
-  attend16_impl<0>(t, group, hd, scale, s);
+  attend16_impl<0, 16>(t, group, hd, scale, s);
+}
+PIER_CLONES void attend_x_32(const Task& t, int group, int hd, int, float scale, float* s) {
+  attend16_impl<0, 32>(t, group, hd, scale, s);
 }
 PIER_CLONES void attend_any(const Task& t, int group, int hd, int bs, float scale, float* s) {
   attend_impl<0, 0, 4>(t, group, hd, bs, scale, s);
@@ -334,7 +339,12 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const float fscale = static_cast<float>(scale);
   // Tasks are dealt round-robin, so threads share long and short sequences alike.
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  auto attend = bs != 16 || hd % 16 ? attend_any : hd == 64 ? attend_64_16 : hd == 128 ? attend_128_16 : attend_x_16;
+  auto attend = hd % 16                    ? attend_any
+                : bs == 32                   ? attend_x_32
+                : bs != 16                   ? attend_any
+                : hd == 64                   ? attend_64_16
+                : hd == 128                  ? attend_128_16
+                                             : attend_x_16;
   at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group) * max_ctx);
     for (int64_t tid = begin; tid < end; ++tid) {
