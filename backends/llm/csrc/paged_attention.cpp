@@ -30,6 +30,18 @@ namespace {
 #define PIER_CLONES
 #endif
 
+// e^f for |f| <= ln(2)/2: the degree-7 Taylor polynomial, for a float or a vector of floats.
+template <typename T>
+static inline T exp_poly(T f) {
+  T p = f * 1.9841269841269841e-4f + 1.3888888888888889e-3f;
+  p = p * f + 8.3333333333333333e-3f;
+  p = p * f + 4.1666666666666667e-2f;
+  p = p * f + 1.6666666666666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+
 // exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(f), n = round(x log2 e),
 // |f| <= 1/2, p a degree-7 Taylor polynomial (relative error ~1e-8, below float rounding).
 // Written with plain arithmetic so the compiler vectorises the loop that calls it.
@@ -38,14 +50,7 @@ static inline float exp_nonpos(float x) {
   const float t = x * 1.4426950408889634f;
   const float n = static_cast<float>(static_cast<int>(t < 0.0f ? t - 0.5f : t + 0.5f));
   const float f = (t - n) * 0.6931471805599453f;
-  float p = 1.9841269841269841e-4f;
-  p = p * f + 1.3888888888888889e-3f;
-  p = p * f + 8.3333333333333333e-3f;
-  p = p * f + 4.1666666666666667e-2f;
-  p = p * f + 1.6666666666666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float p = exp_poly(f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -167,13 +172,7 @@ static inline v16 exp16_nonpos(v16 x) {
   const v16 t = x * 1.4426950408889634f;
   const v16i ni = __builtin_convertvector(t - 0.5f, v16i);  // round to nearest: t <= 0, trunc(t - 1/2)
   const v16 f = (t - __builtin_convertvector(ni, v16)) * 0.6931471805599453f;
-  v16 p = f * 1.9841269841269841e-4f + 1.3888888888888889e-3f;
-  p = p * f + 8.3333333333333333e-3f;
-  p = p * f + 4.1666666666666667e-2f;
-  p = p * f + 1.6666666666666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const v16 p = exp_poly(f);
   const v16i bits = (ni + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
