@@ -230,6 +230,16 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
                 )
 
 
+def _batch_io_kind(entry: Any, message: Any, what: str, fail: Callable[[str], PierError]) -> str:
+    """A batch input's or output's kind name, after the checks both share: a known kind, one source input."""
+    if entry.kind not in message.Kind.values():
+        raise fail(f"unknown {what} kind '{entry.kind}'")
+    kind: str = message.Kind.Name(entry.kind)
+    if len(entry.source_input) != 1:
+        raise fail(f"{what} kind '{kind}' expects 1 source input, got {len(entry.source_input)}")
+    return kind
+
+
 def _validate_batch_io(config: mc.ModelConfig, fail: Callable[[str], PierError]) -> None:
     """Ragged inputs, batch_input and batch_output (Triton's ValidateBatchIO, and its wording)."""
     inputs = {t.name for t in config.input}
@@ -239,11 +249,7 @@ def _validate_batch_io(config: mc.ModelConfig, fail: Callable[[str], PierError])
             raise fail(f"input '{t.name}' sets allow_ragged_batch, which needs max_batch_size > 0")
     targets: set[str] = set()
     for bi in config.batch_input:
-        if bi.kind not in mc.BatchInput.Kind.values():
-            raise fail(f"unknown batch input kind '{bi.kind}'")
-        kind = mc.BatchInput.Kind.Name(bi.kind)
-        if len(bi.source_input) != 1:
-            raise fail(f"batch input kind '{kind}' expects 1 source input, got {len(bi.source_input)}")
+        kind = _batch_io_kind(bi, mc.BatchInput, "batch input", fail)
         if bi.data_type not in (mc.TYPE_INT32, mc.TYPE_FP32):
             raise fail("batch input data type must be TYPE_INT32 or TYPE_FP32")
         for source in bi.source_input:
@@ -259,11 +265,7 @@ def _validate_batch_io(config: mc.ModelConfig, fail: Callable[[str], PierError])
             targets.add(target)
     scattered: set[str] = set()
     for bo in config.batch_output:
-        if bo.kind not in mc.BatchOutput.Kind.values():
-            raise fail(f"unknown batch output kind '{bo.kind}'")
-        kind = mc.BatchOutput.Kind.Name(bo.kind)
-        if len(bo.source_input) != 1:
-            raise fail(f"batch output kind '{kind}' expects 1 source input, got {len(bo.source_input)}")
+        kind = _batch_io_kind(bo, mc.BatchOutput, "batch output", fail)
         for source in bo.source_input:
             if source not in inputs:
                 raise fail(f"unknown source input name '{source}' in batch output '{kind}'")
