@@ -122,3 +122,15 @@ def pier(test_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     yield server
     code = server.stop()
     assert code == 0, f"pier exited with {code} on SIGTERM:\n{server.log()}"
+
+
+def numpy_inputs(mod, arrays: dict) -> list:
+    """tritonclient InferInputs (`mod` is tritonclient.http or .grpc) carrying the given numpy arrays."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in arrays.items():
+        inp = mod.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        inp.set_data_from_numpy(array)
+        inputs.append(inp)
+    return inputs

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from server.repository.manager import gpu_count
-from tests.conftest import EXAMPLE_REPO, start_pier
+from tests.conftest import EXAMPLE_REPO, numpy_inputs, start_pier
 
 pytestmark = pytest.mark.skipif(
     gpu_count() == 0 or "CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -39,10 +39,7 @@ def test_simple_on_gpu_matches_cpu(tmp_path, accelerator):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         a = np.arange(64, dtype=np.int32).reshape(4, 16)
         b = np.full((4, 16), 5, dtype=np.int32)
-        inputs = [grpcclient.InferInput("INPUT0", [4, 16], "INT32"), grpcclient.InferInput("INPUT1", [4, 16], "INT32")]
-        inputs[0].set_data_from_numpy(a)
-        inputs[1].set_data_from_numpy(b)
-        result = client.infer("simple", inputs)
+        result = client.infer("simple", numpy_inputs(grpcclient, {"INPUT0": a, "INPUT1": b}))
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
         assert client.get_model_config("simple").config.instance_group[0].kind == 2  # KIND_GPU

@@ -15,7 +15,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.conftest import EXAMPLE_REPO, PierProcess, start_pier
+from tests.conftest import EXAMPLE_REPO, PierProcess, numpy_inputs, start_pier
 from tests.e2e.test_model_control import index, wait_for
 
 GRAPH = """name: "{name}"
@@ -80,10 +80,7 @@ def test_ensemble_graph_runs(server: PierProcess, mod) -> None:
     client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
     a = np.arange(32, dtype=np.int32).reshape(2, 16)
     b = np.full((2, 16), 7, dtype=np.int32)
-    inputs = [mod.InferInput("A", [2, 16], "INT32"), mod.InferInput("B", [2, 16], "INT32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
-    result = client.infer("graph", inputs)
+    result = client.infer("graph", numpy_inputs(mod, {"A": a, "B": b}))
     assert np.array_equal(result.as_numpy("TWO_A"), 2 * a)
     assert np.array_equal(result.as_numpy("TWO_B"), 2 * b)
     assert np.array_equal(result.as_numpy("DOUBLE_SUM"), 2 * (a + b))

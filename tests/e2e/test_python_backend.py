@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, start_pier
+from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, numpy_inputs, start_pier
 
 PY_MODELS = ROOT / "tests" / "python_models"
 
@@ -35,10 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def add_sub_inputs(mod, a: np.ndarray, b: np.ndarray) -> list:
-    inputs = [mod.InferInput("INPUT0", [4], "FP32"), mod.InferInput("INPUT1", [4], "FP32")]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
-    return inputs
+    return numpy_inputs(mod, {"INPUT0": a, "INPUT1": b})
 
 
 @pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
@@ -57,10 +54,7 @@ def test_bls_calls_simple(server: PierProcess, mod) -> None:
     client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
     x0 = np.arange(16, dtype=np.int32).reshape(1, 16)
     x1 = np.full((1, 16), 3, dtype=np.int32)
-    inputs = [mod.InferInput("INPUT0", [1, 16], "INT32"), mod.InferInput("INPUT1", [1, 16], "INT32")]
-    inputs[0].set_data_from_numpy(x0)
-    inputs[1].set_data_from_numpy(x1)
-    result = client.infer("bls_simple", inputs)
+    result = client.infer("bls_simple", numpy_inputs(mod, {"INPUT0": x0, "INPUT1": x1}))
     assert np.array_equal(result.as_numpy("OUTPUT0"), x0 + x1)
     assert np.array_equal(result.as_numpy("OUTPUT1"), x0 - x1)
     stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("simple")
