@@ -117,10 +117,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a whole step. q: [N, heads, hd]; k, v: [N, kv_heads, hd] (new tokens only).
 
-    Returns [N, heads * hd]. Writes k, v into the cache first, so a sequence may read blocks
-    another sequence of the same step writes (a prefix-cache hit on blocks computed this step).
+    Returns [N, heads * hd]. The caller has already stored k, v in the cache (`write_kv`, or the
+    fused RoPE + write op), so a sequence may read blocks another sequence of the same step
+    writes (a prefix-cache hit on blocks computed this step).
     """
-    write_kv(k_cache, v_cache, k, v, meta)
     n, heads, hd = q.shape
     kvh = k.shape[1]
     group = heads // kvh

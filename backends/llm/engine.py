@@ -106,11 +106,14 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.swap_space_bytes // per_block if cfg.preemption_mode == "swap" else 0)
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        decode_op = None
+        ops = None
         if (cfg.attention == "auto" and self.device.type == "cpu" and cfg.dtype == "float32"
                 and cfg.block_size <= 64 and mc.head_dim % 4 == 0):
-            decode_op = kernels.paged_decode_attention()
-        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks, decode_op)
+            ops = kernels.load()
+        if ops is not None:
+            self.model.use_kernels(ops)
+        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks,
+                                  None if ops is None else ops.paged_decode_attention)
         self.scheduler = Scheduler(cfg, self.kv)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())

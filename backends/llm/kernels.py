@@ -1,13 +1,15 @@
 """Pier's compiled CPU kernels for the LLM engine, built on first use with torch's C++ extension tools.
 
-`csrc/paged_attention.cpp` is compiled once per machine and torch version (about 10 s; cached under
-`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and loaded as the `torch.ops.pier_llm`
-namespace. Where no C++ compiler is present the build fails once, is logged, and the engine keeps
-the pure-torch attention.
+`csrc/paged_attention.cpp` (decode attention over the paged cache) and `csrc/layer_ops.cpp` (RMSNorm,
+SiLU * up, RoPE + K/V cache write) are compiled once per machine and torch version (about 15 s;
+cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and loaded as the
+`torch.ops.pier_llm` namespace. Where no C++ compiler is present the build fails once, is logged,
+and the engine keeps the pure-torch path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -15,25 +17,40 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / "paged_attention.cpp"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def paged_decode_attention() -> Callable[..., None] | None:
-    """`torch.ops.pier_llm.paged_decode_attention`, building it on the first call; None if it cannot build."""
+def load() -> Any | None:
+    """The `torch.ops.pier_llm` namespace, building it on the first call; None if it cannot build."""
     with _lock:
-        if "op" not in _state:
-            _state["op"] = _build()
-        return _state["op"]  # type: ignore[return-value]
+        if "ops" not in _state:
+            _state["ops"] = _build()
+        return _state["ops"]
 
 
-def _build() -> Callable[..., None] | None:
+def paged_decode_attention() -> Callable[..., None] | None:
+    """`torch.ops.pier_llm.paged_decode_attention`, or None when the kernels cannot build."""
+    ops = load()
+    return None if ops is None else ops.paged_decode_attention
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _build() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
@@ -43,17 +60,19 @@ def _build() -> Callable[..., None] | None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         start = time.monotonic()
-        log.info("loading the LLM CPU kernels (compiled on first use on this machine, about 10 s)")
+        log.info("loading the LLM CPU kernels (compiled on first use on this machine, about 15 s)")
         cpp_extension.load(
             name="pier_llm_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: ATen's parallel_for is header code
+            # OpenMP: ATen's parallel_for is header code. The digest rebuilds the cached library
+            # when a header changes too (torch's versioning hashes only the sources).
+            extra_cflags=["-O3", "-fopenmp", f"-DPIER_CSRC_DIGEST={_digest()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
         log.info("LLM CPU kernels ready in %.1f s", time.monotonic() - start)
-        return torch.ops.pier_llm.paged_decode_attention
+        return torch.ops.pier_llm
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("LLM CPU kernels unavailable, using torch attention instead: %s", str(exc).splitlines()[0][:300])
         return None

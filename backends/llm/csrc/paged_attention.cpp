@@ -8,9 +8,7 @@
 // sums V, for the `group` query heads that share the KV head. Nothing is gathered or padded: a
 // task reads exactly its own blocks once for K and once for V.
 //
-// Vector width is chosen at load time (gcc target_clones: x86-64-v4 = AVX-512, x86-64-v3 =
-// AVX2 + FMA, or baseline x86-64),
-// so the library runs on any x86-64 CPU and uses the widest units it has.
+// Vector width is chosen at load time (target_clones, see pier_vec.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,40 +20,11 @@
 #include <cstring>
 #include <vector>
 
+#include "pier_vec.h"
+
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PIER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PIER_CLONES
-#endif
-
-// e^f for |f| <= ln(2)/2: the degree-7 Taylor polynomial, for a float or a vector of floats.
-template <typename T>
-static inline T exp_poly(T f) {
-  T p = f * 1.9841269841269841e-4f + 1.3888888888888889e-3f;
-  p = p * f + 8.3333333333333333e-3f;
-  p = p * f + 4.1666666666666667e-2f;
-  p = p * f + 1.6666666666666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  return p * f + 1.0f;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(f), n = round(x log2 e),
-// |f| <= 1/2, p a degree-7 Taylor polynomial (relative error ~1e-8, below float rounding).
-// Written with plain arithmetic so the compiler vectorises the loop that calls it.
-static inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.4426950408889634f;
-  const float n = static_cast<float>(static_cast<int>(t < 0.0f ? t - 0.5f : t + 0.5f));
-  const float f = (t - n) * 0.6931471805599453f;
-  const float p = exp_poly(f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace pier;
 
 struct Task {
   const float* q;       // first of the `group` query heads, head_dim contiguous
@@ -154,31 +123,7 @@ __attribute__((always_inline)) inline void attend_impl(const Task& task, int gro
 }
 
 // The block_size 16 and 32 path, written with GCC vector extensions: a v16 is 16 tokens of a K
-// block row or 16 channels of a V row, and the compiler maps it to one zmm, two ymm or four xmm
-// registers in the AVX-512, AVX2 and baseline clones. HD: head_dim if known at compile time.
-typedef float v16 __attribute__((vector_size(64)));
-
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// exp_nonpos on 16 lanes at once (the auto-vectoriser leaves the scalar one scalar in some clones).
-static inline v16 exp16_nonpos(v16 x) {
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  const v16 t = x * 1.4426950408889634f;
-  const v16i ni = __builtin_convertvector(t - 0.5f, v16i);  // round to nearest: t <= 0, trunc(t - 1/2)
-  const v16 f = (t - __builtin_convertvector(ni, v16)) * 0.6931471805599453f;
-  const v16 p = exp_poly(f);
-  const v16i bits = (ni + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
+// block row or 16 channels of a V row. HD: head_dim if known at compile time.
 template <int HD, int BS>
 __attribute__((always_inline)) inline void attend16_impl(const Task& task, int group, int hd_rt, float scale,
                                                          float* scores) {
@@ -224,7 +169,7 @@ __attribute__((always_inline)) inline void attend16_impl(const Task& task, int g
     v16 sums = {};
     int t = 0;
     for (; t + W <= ctx; t += W) {
-      const v16 e = exp16_nonpos(load16(s + t) - m);
+      const v16 e = exp16(load16(s + t) - m);
       std::memcpy(s + t, &e, sizeof(e));
       sums += e;
     }

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionMetadata, Workspace, paged_attention
+from ..attention import AttentionMetadata, Workspace, paged_attention, write_kv
 from .loader import ModelConfig, iter_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -103,6 +104,8 @@ class LlamaForCausalLM:
         self.lm_head: torch.Tensor | None = None
         self.scale = cfg.head_dim**-0.5
         self.workspace = Workspace()
+        self.kernels: Any | None = None  # torch.ops.pier_llm once use_kernels() is called
+        self.rope_table: torch.Tensor | None = None
         inv_freq, attn_scaling = rope_inv_freq(cfg)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
@@ -175,6 +178,12 @@ class LlamaForCausalLM:
                 )
             )
 
+    def use_kernels(self, ops: Any) -> None:
+        """Run RMSNorm, SiLU * up and RoPE + the K/V write through Pier's compiled ops (`kernels.py`;
+        CPU float32, K cache block-transposed)."""
+        self.kernels = ops
+        self.rope_table = torch.view_as_real(self.freqs_cis).contiguous()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -184,30 +193,60 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [N, hidden], for the step's flattened tokens."""
         assert self.embed is not None and self.norm is not None
-        cfg = self.cfg
-        n = input_ids.shape[0]
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q_size, kv_size = nh * hd, nkv * hd
-        freqs = self.freqs_cis[positions].unsqueeze(1)  # [n, 1, hd/2]
+        freqs = self.freqs_cis[positions].unsqueeze(1) if self.kernels is None else None  # [n, 1, hd/2]
         h = F.embedding(input_ids, self.embed)
-        eps = cfg.rms_norm_eps
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, eps)
+        x = self._norm(h, self.layers[0].input_norm)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = _proj(x, layer.qkv_w, layer.qkv_b)
-            qk = qkv[:, : q_size + kv_size].view(n, nh + nkv, hd // 2, 2)
-            if qk.dtype != self.rope_dtype:
-                qk = qk.to(self.rope_dtype)
-            qk = torch.view_as_real(torch.view_as_complex(qk) * freqs).view(n, nh + nkv, hd).to(self.dtype)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, q_size + kv_size :].view(n, nkv, hd)
+            q, k, v = self._rope_and_store(qkv, positions, freqs, k_cache, v_cache, meta)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
-            h = _proj(attn, layer.o_w, layer.o_b).add_(h)
-            x = rms_norm(h, layer.post_norm, eps)
-            gate_up = _proj(x, layer.gate_up_w, layer.gate_up_b)
-            inter = gate_up.shape[-1] // 2
-            x = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            h = _proj(x, layer.down_w, layer.down_b).add_(h)
-        return rms_norm(h, self.norm, eps)
+            # Residual adds ride on the GEMM (h += attn @ W), then the next norm reads h.
+            h.addmm_(attn, layer.o_w)
+            if layer.o_b is not None:
+                h.add_(layer.o_b)
+            x = self._norm(h, layer.post_norm)
+            x = self._silu_mul(_proj(x, layer.gate_up_w, layer.gate_up_b))
+            h.addmm_(x, layer.down_w)
+            if layer.down_b is not None:
+                h.add_(layer.down_b)
+            x = self._norm(h, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm)
+        return x
+
+    def _rope_and_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor | None, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of the fused projection; k and v stored at their cache slots."""
+        cfg = self.cfg
+        n, hd, nh, nkv = qkv.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q_size, kv_size = nh * hd, nkv * hd
+        v = qkv[:, q_size + kv_size :].view(n, nkv, hd)
+        if self.kernels is not None:  # rotates q and k inside qkv, then stores k and v
+            self.kernels.rope_write_kv(qkv, self.rope_table, positions, k_cache, v_cache, meta.slot_mapping, nh, nkv)
+            return qkv[:, :q_size].view(n, nh, hd), qkv[:, q_size : q_size + kv_size].view(n, nkv, hd), v
+        assert freqs is not None
+        qk = qkv[:, : q_size + kv_size].view(n, nh + nkv, hd // 2, 2)
+        if qk.dtype != self.rope_dtype:
+            qk = qk.to(self.rope_dtype)
+        qk = torch.view_as_real(torch.view_as_complex(qk) * freqs).view(n, nh + nkv, hd).to(self.dtype)
+        q, k = qk[:, :nh], qk[:, nh:]
+        write_kv(k_cache, v_cache, k, v, meta)
+        return q, k, v
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            return rms_norm(x, weight, self.cfg.rms_norm_eps)
+        out = torch.empty_like(x)
+        self.kernels.rms_norm(out, x, weight, self.cfg.rms_norm_eps)
+        return out
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[-1] // 2
+        if self.kernels is None:
+            return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+        out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+        self.kernels.silu_mul(out, gate_up)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [M, vocab] for the selected hidden rows."""

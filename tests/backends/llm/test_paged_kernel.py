@@ -1,4 +1,5 @@
-"""The compiled paged decode-attention kernel against plain torch attention over gathered blocks."""
+"""The compiled CPU kernels against plain torch: paged decode attention over gathered blocks, and the
+fused layer ops (RMSNorm, SiLU * up, RoPE + K/V cache write)."""
 
 from __future__ import annotations
 
@@ -73,5 +74,64 @@ def test_engine_uses_it_on_cpu_float32(op, llama_dir):
     from backends.llm.config import EngineConfig
     from backends.llm.engine import LLMEngine
 
-    assert LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=1 << 20)).runner.decode_op is op
-    assert LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=1 << 20, attention="torch")).runner.decode_op is None
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=1 << 20))
+    assert eng.runner.decode_op is op and eng.model.kernels is not None
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=1 << 20, attention="torch"))
+    assert eng.runner.decode_op is None and eng.model.kernels is None
+
+
+@pytest.fixture(scope="module")
+def ops(op):
+    return kernels.load()
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 512), (7, 48), (300, 200), (2048, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_and_silu_mul(ops, rows, hidden, threads):
+    from backends.llm.models.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden + 3, generator=gen)[:, :hidden] * 3  # strided rows, as a slice
+    w = torch.randn(hidden, generator=gen)
+    out = torch.full((rows, hidden), float("nan"))
+    gate_up = torch.randn(rows, 2 * hidden, generator=gen) * 8  # wide range: exp's clamps get hit
+    act = torch.full((rows, hidden), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops.rms_norm(out, x, w, 1e-5)
+        ops.silu_mul(act, gate_up)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(act, F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kvh,hd,bs", [(8, 4, 64, 16), (6, 2, 20, 5)])
+def test_rope_write_kv(ops, heads, kvh, hd, bs):
+    """Rotates q and k in place as the torch path's complex multiply does, and stores k
+    (block-transposed) and v at their slots; nothing else in the cache changes."""
+    gen = torch.Generator().manual_seed(hd)
+    n, num_blocks, max_pos = 37, 20, 600
+    freqs = torch.polar(torch.ones(max_pos, hd // 2), torch.randn(max_pos, hd // 2, generator=gen))
+    qkv = torch.randn(n, (heads + 2 * kvh) * hd, generator=gen)
+    positions = torch.randint(0, max_pos, (n,), generator=gen)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:n]
+    k_cache, v_cache = torch.zeros(kvh, num_blocks, hd, bs), torch.zeros(kvh, num_blocks, bs, hd)
+    rotated = qkv[:, : (heads + kvh) * hd].reshape(n, heads + kvh, hd // 2, 2)
+    rotated = torch.view_as_real(torch.view_as_complex(rotated.contiguous()) * freqs[positions].unsqueeze(1))
+    rotated = rotated.reshape(n, -1)
+    v = qkv[:, (heads + kvh) * hd :].clone()
+    ops.rope_write_kv(qkv, torch.view_as_real(freqs).contiguous(), positions, k_cache, v_cache, slots, heads, kvh)
+    torch.testing.assert_close(qkv[:, : (heads + kvh) * hd], rotated)
+    k = rotated[:, heads * hd :].view(n, kvh, hd)
+    blocks, offsets = slots // bs, slots % bs
+    torch.testing.assert_close(k_cache.permute(0, 1, 3, 2)[:, blocks, offsets], k.transpose(0, 1))
+    torch.testing.assert_close(v_cache[:, blocks, offsets], v.view(n, kvh, hd).transpose(0, 1))
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    written[slots] = True
+    assert not k_cache.permute(0, 1, 3, 2).reshape(kvh, -1, hd)[:, ~written].any()
+    assert not v_cache.reshape(kvh, -1, hd)[:, ~written].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.rope_write_kv(qkv, torch.view_as_real(freqs).contiguous(), positions, k_cache, v_cache,
+                          slots + num_blocks * bs, heads, kvh)
