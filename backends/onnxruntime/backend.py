@@ -4,8 +4,8 @@ CPU execution provider by default; KIND_GPU instances use the CUDA provider (and
 the config's `optimization.execution_accelerators.gpu_execution_accelerator` names
 `tensorrt`), which needs onnxruntime-gpu (`pip install pier[gpu]`).
 Config parameters: `intra_op_thread_count`, `inter_op_thread_count` (as Triton's ORT backend), and
-any `session.*` key, passed to onnxruntime as a session config entry. Idle thread-pool workers
-do not spin unless `session.intra_op.allow_spinning` is "1" (see `_session_options`).
+any `session.*` key, passed to onnxruntime as a session config entry (e.g.
+`session.intra_op.allow_spinning: "0"`, see `_session_options`).
 """
 
 from __future__ import annotations
@@ -63,12 +63,10 @@ def _session_options(model: ModelContext) -> ort.SessionOptions:
                 setattr(opts, attr, int(params[key]))
             except ValueError:
                 raise invalid_arg(f"parameter '{key}' must be an integer, got '{params[key]}'") from None
-    # Idle intra-op threads sleep instead of spinning: a spinning worker holds a core for a while
-    # after every run, which the server's own threads (the event loop, grpc.aio's poller) and
-    # other models need. Measured on identity_fp32 with perf_analyzer: gRPC concurrency 1 went
-    # from ~770 to ~410 µs per request. A `session.*` parameter overrides any session config entry.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    # ORT's thread-pool workers spin between runs by default. Kept: served text_embedding ran
+    # 10-25 % faster with it than with either switch below (alternating bench runs, c=1 and c=32),
+    # though it holds a core after every run of a tiny model; `session.intra_op.allow_spinning: "0"` or
+    # `session.force_spinning_stop: "1"` (any `session.*` config entry) is the per-model switch.
     for key, value in params.items():
         if key.startswith("session."):
             try:
