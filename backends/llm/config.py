@@ -34,8 +34,8 @@ class EngineConfig:
     swap_space_bytes: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
-    # "auto": the compiled paged-attention kernel for decodes on CPU in float32 (built on first use,
-    # see kernels.py), the torch path otherwise; "torch": always the torch path.
+    # "auto": the compiled CPU kernels (decode attention, RMSNorm, SiLU * up, RoPE + K/V write) on
+    # CPU in float32 (built on first use, see kernels.py), the torch path otherwise; "torch": always torch.
     attention: str = "auto"
     seed: int = 0
 
