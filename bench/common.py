@@ -267,12 +267,18 @@ def _popen(cmd: list[str], log_name: str, env: dict | None = None) -> tuple[subp
     return proc, log_path
 
 
+def python_path() -> str:
+    """PYTHONPATH for a Pier process: the checkout first, then the caller's entries (the GPU
+    machines' carried wheels live there)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120) -> Server:
     http, grpc_, metrics = free_port(), free_port(), free_port()
     cmd = [*pier_command(), "serve", "--model-repository", str(repo),
            "--http-port", str(http), "--grpc-port", str(grpc_), "--metrics-port", str(metrics),
            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1", *extra]
-    proc, log_path = _popen(cmd, name.replace(" ", "_"), env={"PYTHONPATH": str(ROOT)})
+    proc, log_path = _popen(cmd, name.replace(" ", "_"), env={"PYTHONPATH": python_path()})
     server = Server(name, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}", proc=proc, log_path=log_path)
     try:
         _wait_http_ready(server, "/v2/health/ready", timeout)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import python_path
 from bench.llm_bench import CACHE, RESULTS, ROOT, VLLM_TOOLS, build_model, log, workload
 
 MODEL = "llama27m"
@@ -130,7 +131,7 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
             [sys.executable, "-m", "server", "serve", f"--model-repository={repo}", f"--http-port={http}",
              f"--grpc-port={grpc_}", f"--metrics-port={metrics}", "--http-address=127.0.0.1",
              "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"],
-            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": python_path()})
         base = f"http://127.0.0.1:{http}"
         try:
             _wait_models(base, 180, proc)

@@ -1,7 +1,8 @@
-"""A small bounded closed-loop load generator for KServe-v2 HTTP with JSON tensors (no binary
-extension): `concurrency` workers, each sending the next request as soon as its previous one is
-answered, for a fixed time (after a warm-up) and at most `max_requests` requests in all.
-Records every request's latency; counts non-200 answers and connection errors as errors.
+"""A small bounded closed-loop load generator: KServe-v2 HTTP with JSON tensors (no binary
+extension), and gRPC for machines without perf_analyzer. `concurrency` workers, each sending the
+next request as soon as its previous one is answered, for a fixed time (after a warm-up) and at
+most `max_requests` requests in all. Records every request's latency; counts failed answers and
+connection errors as errors.
 
     python -m bench.loadgen --url 127.0.0.1:8000 --model identity_fp32 -c 16 -d 5
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,11 +27,10 @@ def identity_json_body(n: int = 16) -> bytes:
     return json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, n], "datatype": "FP32", "data": data}]}).encode()
 
 
-async def _run(url: str, body: bytes, concurrency: int, duration_s: float, warmup_s: float, max_requests: int,
-               request_timeout: float, check) -> Point:
-    import aiohttp
-
-    headers = {"Content-Type": "application/json"}
+async def closed_loop(send: Callable[[], Awaitable[bool]], concurrency: int, duration_s: float, warmup_s: float,
+                      max_requests: int, request_timeout: float) -> Point:
+    """`concurrency` workers calling `send()` back to back (it answers whether the request
+    succeeded, or raises: counted as an error); latencies of the successful ones after the warm-up."""
     latencies: list[float] = []
     errors = 0
     sent = 0
@@ -36,6 +38,53 @@ async def _run(url: str, body: bytes, concurrency: int, duration_s: float, warmu
     stop = False
     first_error = None
 
+    async def worker() -> None:
+        nonlocal errors, sent, first_error
+        clock = time.perf_counter
+        while not stop and sent < max_requests:
+            sent += 1
+            t0 = clock()
+            try:
+                ok = await send()
+            except Exception as exc:  # noqa: BLE001 - any failure of one request is an error
+                ok = False
+                first_error = first_error or repr(exc)
+            if measuring and not stop:
+                if ok:
+                    latencies.append(clock() - t0)
+                else:
+                    errors += 1
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    try:
+        await asyncio.sleep(warmup_s)
+        measuring = True
+        sent = 0
+        cpu0, t_start = time.process_time(), time.perf_counter()
+        deadline = t_start + duration_s
+        while time.perf_counter() < deadline and sent < max_requests and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.05)
+        stop = True
+        elapsed = time.perf_counter() - t_start
+        cpu = time.process_time() - cpu0
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), request_timeout + 5)
+    finally:
+        stop = True
+        for t in tasks:
+            t.cancel()
+    if not latencies:
+        raise RuntimeError(f"no successful requests ({errors} errors; first: {first_error})")
+    us = np.asarray(latencies) * 1e6
+    return Point(throughput=len(latencies) / elapsed, p50_us=float(np.percentile(us, 50)),
+                 p90_us=float(np.percentile(us, 90)), p99_us=float(np.percentile(us, 99)), avg_us=float(us.mean()),
+                 count=len(latencies), errors=errors, client_cpu=cpu / elapsed)
+
+
+async def _run_http(url: str, body: bytes, concurrency: int, duration_s: float, warmup_s: float, max_requests: int,
+                    request_timeout: float, check) -> Point:
+    import aiohttp
+
+    headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -47,60 +96,55 @@ async def _run(url: str, body: bytes, concurrency: int, duration_s: float, warmu
             if check is not None:
                 check(payload)
 
-        async def worker() -> None:
-            nonlocal errors, sent, first_error
-            clock = time.perf_counter
-            while not stop and sent < max_requests:
-                sent += 1
-                t0 = clock()
-                try:
-                    async with session.post(url, data=body, headers=headers) as r:
-                        await r.read()
-                        ok = r.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    ok = False
-                    first_error = first_error or repr(exc)
-                if measuring and not stop:
-                    if ok:
-                        latencies.append(clock() - t0)
-                    else:
-                        errors += 1
+        async def send() -> bool:
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                return r.status == 200
 
-        tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-        try:
-            await asyncio.sleep(warmup_s)
-            measuring = True
-            sent = 0
-            cpu0, t_start = time.process_time(), time.perf_counter()
-            deadline = t_start + duration_s
-            while time.perf_counter() < deadline and sent < max_requests and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.05)
-            stop = True
-            elapsed = time.perf_counter() - t_start
-            cpu = time.process_time() - cpu0
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), request_timeout + 5)
-        finally:
-            stop = True
-            for t in tasks:
-                t.cancel()
-    if not latencies:
-        raise RuntimeError(f"no successful requests ({errors} errors; first: {first_error})")
-    us = np.asarray(latencies) * 1e6
-    return Point(throughput=len(latencies) / elapsed, p50_us=float(np.percentile(us, 50)),
-                 p90_us=float(np.percentile(us, 90)), p99_us=float(np.percentile(us, 99)), avg_us=float(us.mean()),
-                 count=len(latencies), errors=errors, client_cpu=cpu / elapsed)
+        return await closed_loop(send, concurrency, duration_s, warmup_s, max_requests, request_timeout)
+
+
+async def _run_grpc(target: str, request: Any, concurrency: int, duration_s: float, warmup_s: float,
+                    max_requests: int, request_timeout: float, check) -> Point:
+    import grpc
+
+    from server.protocol import grpc_service_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)]) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        first = await infer(request, timeout=request_timeout)  # checked before the load; errors raise
+        if check is not None:
+            check(first)
+
+        async def send() -> bool:
+            await infer(request, timeout=request_timeout)
+            return True
+
+        return await closed_loop(send, concurrency, duration_s, warmup_s, max_requests, request_timeout)
+
+
+def _event_loop_runner() -> Callable[[Awaitable[Point]], Point]:
+    try:
+        import uvloop
+
+        return uvloop.run
+    except ImportError:
+        return asyncio.run
 
 
 def run(url: str, body: bytes, concurrency: int, duration_s: float, warmup_s: float = 1.0,
         max_requests: int = 500_000, request_timeout: float = 30.0, check=None) -> Point:
-    """Run the load in a fresh event loop (uvloop when installed)."""
-    try:
-        import uvloop
+    """HTTP JSON load in a fresh event loop (uvloop when installed)."""
+    return _event_loop_runner()(_run_http(url, body, concurrency, duration_s, warmup_s, max_requests,
+                                          request_timeout, check))
 
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    return runner(_run(url, body, concurrency, duration_s, warmup_s, max_requests, request_timeout, check))
+
+def run_grpc(target: str, request: Any, concurrency: int, duration_s: float, warmup_s: float = 1.0,
+             max_requests: int = 500_000, request_timeout: float = 60.0, check=None) -> Point:
+    """gRPC `ModelInfer` load (one prepared ModelInferRequest, sent over and over) in a fresh event
+    loop; `check(response)` vets the first answer. For machines without perf_analyzer."""
+    return _event_loop_runner()(_run_grpc(target, request, concurrency, duration_s, warmup_s, max_requests,
+                                          request_timeout, check))
 
 
 def main() -> None:

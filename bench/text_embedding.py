@@ -10,13 +10,14 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from bench import report
-from bench.common import ROOT, Servers, Settings, log, measure, perf_analyzer, start_pier, temp_dir
-from bench.measure import perf_analyzer_point, timed_loop
+from bench.common import ROOT, Server, Servers, Settings, log, measure, perf_analyzer, start_pier, temp_dir
+from bench.measure import Point, perf_analyzer_point, timed_loop
 
 MODEL = "text_embedding"
 NOBATCH = "text_embedding_nobatch"
@@ -83,6 +84,37 @@ def build_repo(repo: Path, model_file: Path) -> str:
     return nobatch
 
 
+def measure_both(group: report.Group, pier: Server, rnd: int, level: int, notes: list[str],
+                 point: Callable[[str, int, str], Point]) -> None:
+    """One point each for the batched and the unbatched model at concurrency `level` (their order
+    alternates by round); `point(model, concurrency, label)` measures."""
+    order = [(BATCHED, MODEL), (UNBATCHED, NOBATCH)]
+    if rnd % 2:
+        order.reverse()
+    for name, model in order:
+        label = f"round {rnd + 1} c={level} {name}"
+        pt = measure(pier, lambda m=model, lb=label: point(m, level, lb), label, notes)
+        if pt is None:
+            continue
+        log(f"{label}: {pt.throughput:,.1f} seq/s p50 {pt.p50_us / 1000:.2f} ms "
+            f"p99 {pt.p99_us / 1000:.2f} ms{'' if pt.stable else ' (unstable)'}")
+        group.add(name, level, pt)
+
+
+def batching_targets(group: report.Group, direct: str, direct_text: str) -> list[report.Target]:
+    """The issue's two targets, relative to calling the model directly."""
+    def ratio(a: str, x: int, b: str, y: int) -> float | None:
+        p, q = group.tput(a, x), group.tput(b, y)
+        return p / q if p and q else None
+
+    return [
+        report.Target(f"Pier with batching at c=32 ≥ 0.85× {direct_text} at batch 32",
+                      ratio(BATCHED, 32, direct, 32), 0.85),
+        report.Target(f"Pier without batching at c=1 ≥ 0.85× {direct_text} at batch 1",
+                      ratio(UNBATCHED, 1, direct, 1), 0.85),
+    ]
+
+
 def write_input_data(path: Path, ids: np.ndarray, mask: np.ndarray) -> None:
     rows = [{"input_ids": {"content": i.tolist(), "shape": [SEQ_LEN]},
              "attention_mask": {"content": m.tolist(), "shape": [SEQ_LEN]}} for i, m in zip(ids, mask)]
@@ -147,30 +179,10 @@ def run(settings: Settings) -> Path:
                 log(f"round {rnd + 1} direct ORT batch {level}: {pt.throughput:,.1f} seq/s "
                     f"p50 {pt.p50_us / 1000:.1f} ms/call")
                 group.add(DIRECT, level, pt)
-                order = [(BATCHED, MODEL), (UNBATCHED, NOBATCH)]
-                if rnd % 2:
-                    order.reverse()
-                for name, model in order:
-                    label = f"round {rnd + 1} c={level} {name}"
-                    pt = measure(pier, lambda m=model, c=level, lb=label: perf_analyzer_point(
-                        pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb,
-                        window_ms=window_ms), label, notes)
-                    if pt is None:
-                        continue
-                    log(f"{label}: {pt.throughput:,.1f} seq/s p50 {pt.p50_us / 1000:.1f} ms "
-                        f"p99 {pt.p99_us / 1000:.1f} ms{'' if pt.stable else ' (unstable)'}")
-                    group.add(name, level, pt)
+                measure_both(group, pier, rnd, level, notes, lambda m, c, lb: perf_analyzer_point(
+                    pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb, window_ms=window_ms))
 
-    def ratio(a: str, x: int, b: str, y: int) -> float | None:
-        p, q = group.tput(a, x), group.tput(b, y)
-        return p / q if p and q else None
-
-    targets = [
-        report.Target("Pier with batching at c=32 ≥ 0.85× direct ORT at batch 32",
-                      ratio(BATCHED, 32, DIRECT, 32), 0.85),
-        report.Target("Pier without batching at c=1 ≥ 0.85× direct ORT at batch 1",
-                      ratio(UNBATCHED, 1, DIRECT, 1), 0.85),
-    ]
+    targets = batching_targets(group, DIRECT, "direct ORT")
     group.notes += [
         "Pier rows: perf_analyzer over gRPC, sync, one 32-token sentence per request (batch 1), real token ids "
         f"from `bench/tokenization.py` (`--input-data`, {len(ids)} rows); seq/s = infer/s; latency per request.",

@@ -5,9 +5,15 @@
 # served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
 # compared with the CPU; the LLM engine on CUDA (greedy tokens vs transformers on the same GPU,
 # and under swap preemption).
+# Then the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
+# dynamic batching vs the module called directly on the GPU; its files go to $OUT when set.
 # Needs: python3 with Pier's dependencies, onnxruntime-gpu, tensorrt and a CUDA build of torch
 # (pier[gpu]); checks skip, with the reason, when a piece is missing, and the table says which.
 #   bash scripts/gpu_check.sh [PYTHON]
+# On the borrowed GPU machines (Python 3.12, torch, no network), run scripts/gpu_wheels.sh here
+# first, carry .whl, and start the device command with:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site && bash scripts/gpu_check.sh
 set -uo pipefail
 PY=${1:-python3}
 cd "$(dirname "$0")/.."
@@ -40,9 +46,21 @@ elif "$PY" scripts/build_trt_engine.py model_repository/mlp_onnx/1/model.onnx "$
 else
     echo "FAILED scripts/build_trt_engine.py mlp_onnx -> $PLAN" >> "$LOG"
 fi
+# The GPU text_embedding table (a benchmark, quick windows: about 2 minutes).
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    if timeout 600 "$PY" -m bench.text_embedding_gpu --quick >> "$LOG" 2>&1; then
+        echo "PASSED bench/text_embedding_gpu.py -> bench/results/text_embedding-gpu-quick.md" >> "$LOG"
+        [ -n "${OUT:-}" ] && cp bench/results/text_embedding-gpu-quick.* "$OUT"/ 2>/dev/null
+    else
+        echo "FAILED bench/text_embedding_gpu.py" >> "$LOG"
+    fi
+else
+    echo "SKIPPED bench/text_embedding_gpu.py: torch sees no CUDA device" >> "$LOG"
+fi
 echo
 echo "| result | check |"
 echo "|---|---|"
 grep -E '^(PASSED|FAILED|SKIPPED|ERROR)' "$LOG" | sed -E 's/^([A-Z]+) (.*)$/| \1 | \2 |/'
+[ -f bench/results/text_embedding-gpu-quick.md ] && sed -n '/## Targets/,/^- Pier rows/p' bench/results/text_embedding-gpu-quick.md
 grep -qE '^(FAILED|ERROR)' "$LOG" && { tail -60 "$LOG"; exit 1; }
 exit 0

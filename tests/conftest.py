@@ -74,7 +74,8 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
            f"--http-port={http}", f"--grpc-port={grpc_}", f"--metrics-port={metrics}",
            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", *extra]
     log = open(log_path, "wb")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # ROOT first; keep the caller's entries (the GPU machines' carried wheels live on PYTHONPATH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     server = PierProcess(proc, http, grpc_, metrics, log_path)
     if not wait_ready:
