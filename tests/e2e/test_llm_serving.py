@@ -144,6 +144,39 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
     assert sorted(ch.index for ch in n2.choices) == [0, 1] and n2.usage.completion_tokens == 10
 
 
+def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
+    """A list of prompts (strings or token-id lists) is one request per prompt; prompt p's
+    sequence i is choice p * n + i, as vLLM numbers them; usage sums over the prompts."""
+    single = {p: oai.completions.create(model="tiny_llama", prompt=p, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}) for p in ("hello pier", "a b c")}
+    batch = oai.completions.create(model="tiny_llama", prompt=["hello pier", "a b c"], max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    by_index = {ch.index: ch.text for ch in batch.choices}
+    assert by_index == {0: single["hello pier"].choices[0].text, 1: single["a b c"].choices[0].text}
+    assert batch.usage.prompt_tokens == sum(c.usage.prompt_tokens for c in single.values())
+    assert batch.usage.completion_tokens == 12
+    ids = oai.completions.create(model="tiny_llama", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, n=2, temperature=1.0,
+                                 seed=3, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in ids.choices) == [0, 1, 2, 3] and ids.usage.prompt_tokens == 5
+    chunks = list(oai.completions.create(model="tiny_llama", prompt=["hello pier", "a b c"], max_tokens=6,
+                                         temperature=0, stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    streamed: dict[int, str] = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == by_index
+    assert chunks[-1].usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):  # one bad prompt fails the call
+        oai.completions.create(model="tiny_llama", prompt=["hello", "word " * 600], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="prompt must be"):
+        oai.completions.create(model="tiny_llama", prompt=["hello", 3], max_tokens=4)
+    deadline = time.monotonic() + 20  # the other prompt's request is cancelled, not left running
+    while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running") > 0:
+        time.sleep(0.1)
+    assert _metric(server, "vllm:num_requests_running") == 0
+
+
 def test_openai_chat(oai) -> None:
     messages = [{"role": "user", "content": "hi there"}]
     c = oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=8, temperature=0,

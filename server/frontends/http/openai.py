@@ -7,6 +7,7 @@ counted and cancelled (client gone) like any other."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -151,7 +152,20 @@ class OpenAIHandlers:
         finally:
             await stream.aclose()
 
+    @staticmethod
+    def _prompts(prompt: Any) -> list[str | list[int]]:
+        """A completions `prompt`: a string, a list of token ids, or a list of either (a batch)."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(prompt, str) or ids(prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+            return prompt
+        raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
+
     async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        gens: list[AsyncGenerator[dict[str, Any], None]] = []
         try:
             doc = await self._body(request)
             model = self._check_model(doc.get("model"))
@@ -160,41 +174,42 @@ class OpenAIHandlers:
                 messages = doc.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise _BadRequest("messages must be a non-empty list.", "messages")
-                infer = self._request(model, "", messages, sampling, logprobs is not None)
+                infers = [self._request(model, "", messages, sampling, logprobs is not None)]
             else:
-                prompt = doc.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                    prompt = prompt[0]
-                token_ids = isinstance(prompt, list) and prompt and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-                if not isinstance(prompt, str) and not token_ids:
-                    raise _BadRequest("prompt must be a string or a list of token ids (one prompt per request).",
-                                      "prompt")
-                infer = self._request(model, prompt, None, sampling, logprobs is not None)
-            deltas = self._deltas(infer)
-            try:
-                first = await anext(deltas)
-            except StopAsyncIteration:
-                raise _BadRequest("the model sent no response", status=500) from None
+                infers = [self._request(model, p, None, sampling, logprobs is not None)
+                          for p in self._prompts(doc.get("prompt"))]
+            gens = [self._deltas(infer) for infer in infers]
+            # Every prompt's first answer before anything is sent: a bad request is a plain 4xx.
+            firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
+            for f in firsts:
+                if isinstance(f, BaseException):
+                    raise f
+                if f is None:
+                    raise _BadRequest("the model sent no response", status=500)
         except _BadRequest as exc:
+            await _close(gens)
             return error(exc.status, exc.message, exc.param)
         except PierError as exc:
+            await _close(gens)
             return error(_CODE_STATUS.get(exc.code, 500), exc.message)
+        n = int(sampling.get("n", 1))
+        prompt_tokens = sum(f["prompt_tokens"] for f in firsts)  # type: ignore[index]
+        deltas = _merge(list(zip(firsts, gens)), n)  # type: ignore[arg-type]
+        first = await anext(deltas)
         created = int(time.time())
-        ident = ("chatcmpl-" if chat else "cmpl-") + infer.id
+        ident = ("chatcmpl-" if chat else "cmpl-") + infers[0].id
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
-            return await self._stream(request, deltas, first, ident, created, model, chat,
+            return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
                                       bool(isinstance(options, dict) and options.get("include_usage")))
-        return await self._whole(deltas, first, ident, created, model, chat, int(sampling.get("n", 1)))
+        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens)
 
     async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
-                     created: int, model: str, chat: bool, n: int) -> web.Response:
+                     created: int, model: str, chat: bool, n: int, prompt_tokens: int) -> web.Response:
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
         completion: dict[int, int] = {}
         lps: dict[int, list[dict[str, Any]]] = {}
-        prompt_tokens = first["prompt_tokens"]
         item: dict[str, Any] | None = first
         try:
             while item is not None:
@@ -208,6 +223,8 @@ class OpenAIHandlers:
                 item = await anext(deltas, None)
         except PierError as exc:
             return error(_CODE_STATUS.get(exc.code, 500), exc.message)
+        finally:
+            await deltas.aclose()
         choices = []
         for i in range(n):
             text = "".join(texts.get(i, []))
@@ -226,7 +243,8 @@ class OpenAIHandlers:
         return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
     async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
-                      ident: str, created: int, model: str, chat: bool, include_usage: bool) -> web.StreamResponse:
+                      ident: str, created: int, model: str, chat: bool, prompt_tokens: int,
+                      include_usage: bool) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
@@ -264,8 +282,8 @@ class OpenAIHandlers:
                 item = await anext(deltas, None)
             if include_usage:
                 total = sum(completion.values())
-                await send(chunk([], {"prompt_tokens": first["prompt_tokens"], "completion_tokens": total,
-                                      "total_tokens": first["prompt_tokens"] + total}))
+                await send(chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": total,
+                                      "total_tokens": prompt_tokens + total}))
         except PierError as exc:
             await send({"error": {"message": exc.message, "type": "BadRequestError", "param": None,
                                   "code": _CODE_STATUS.get(exc.code, 500)}})
@@ -288,6 +306,55 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, chat=True)
+
+
+async def _close(gens: list[AsyncGenerator[dict[str, Any], None]]) -> None:
+    for g in gens:
+        await g.aclose()  # cancels that prompt's request
+
+
+async def _merge(streams: list[tuple[dict[str, Any], AsyncGenerator[dict[str, Any], None]]],
+                 n: int) -> AsyncGenerator[dict[str, Any], None]:
+    """One stream of deltas for a batch of prompts, as they come: prompt p's sequence i becomes
+    choice p * n + i (vLLM's numbering). Closing it cancels every prompt's request."""
+    if len(streams) == 1:
+        first, gen = streams[0]
+        try:
+            yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+        return
+    queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+    async def pump(p: int, first: dict[str, Any], gen: AsyncGenerator[dict[str, Any], None]) -> None:
+        try:
+            item: dict[str, Any] | None = first
+            while item is not None:
+                queue.put_nowait({**item, "index": item["index"] + p * n})
+                item = await anext(gen, None)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(p, first, gen)) for p, (first, gen) in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            got = await queue.get()
+            if got is None:
+                left -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield got
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close([gen for _, gen in streams])
 
 
 def _logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:
