@@ -146,7 +146,8 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
 
 def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
     """A list of prompts (strings or token-id lists) is one request per prompt; prompt p's
-    sequence i is choice p * n + i, as vLLM numbers them; usage sums over the prompts."""
+    sequence i is choice p * n + i, as vLLM numbers them; usage sums over the prompts. `echo`
+    puts each prompt before its choices' text (streamed: as the first chunk)."""
     single = {p: oai.completions.create(model="tiny_llama", prompt=p, max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True}) for p in ("hello pier", "a b c")}
     batch = oai.completions.create(model="tiny_llama", prompt=["hello pier", "a b c"], max_tokens=6, temperature=0,
@@ -167,6 +168,14 @@ def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert streamed == by_index
     assert chunks[-1].usage.completion_tokens == 12
+    echoed = oai.completions.create(model="tiny_llama", prompt=["hello pier", "a b c"], max_tokens=6,
+                                    temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert {ch.index: ch.text for ch in echoed.choices} == {0: "hello pier" + by_index[0], 1: "a b c" + by_index[1]}
+    chunks = list(oai.completions.create(model="tiny_llama", prompt="a b c", max_tokens=6, temperature=0, echo=True,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == "a b c" and "".join(c.choices[0].text for c in chunks) == echoed.choices[1].text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        oai.completions.create(model="tiny_llama", prompt=[5, 6], max_tokens=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):  # one bad prompt fails the call
         oai.completions.create(model="tiny_llama", prompt=["hello", "word " * 600], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="prompt must be"):

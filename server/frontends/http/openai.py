@@ -166,6 +166,7 @@ class OpenAIHandlers:
 
     async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
+        echo: list[str] = []  # completions `echo`: each prompt's text, put before its choices' text
         try:
             doc = await self._body(request)
             model = self._check_model(doc.get("model"))
@@ -176,8 +177,14 @@ class OpenAIHandlers:
                     raise _BadRequest("messages must be a non-empty list.", "messages")
                 infers = [self._request(model, "", messages, sampling, logprobs is not None)]
             else:
-                infers = [self._request(model, p, None, sampling, logprobs is not None)
-                          for p in self._prompts(doc.get("prompt"))]
+                prompts = self._prompts(doc.get("prompt"))
+                if doc.get("echo"):
+                    if logprobs is not None:
+                        raise _BadRequest("echo with logprobs (prompt logprobs) is not supported.", "echo")
+                    if not all(isinstance(p, str) for p in prompts):
+                        raise _BadRequest("echo is supported for text prompts only.", "echo")
+                    echo = [str(p) for p in prompts]
+                infers = [self._request(model, p, None, sampling, logprobs is not None) for p in prompts]
             gens = [self._deltas(infer) for infer in infers]
             # Every prompt's first answer before anything is sent: a bad request is a plain 4xx.
             firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
@@ -201,11 +208,14 @@ class OpenAIHandlers:
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
             return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
-                                      bool(isinstance(options, dict) and options.get("include_usage")))
-        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens)
+                                      bool(isinstance(options, dict) and options.get("include_usage")),
+                                      [echo[k // n] for k in range(n * len(echo))])
+        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens,
+                                 [echo[k // n] for k in range(n * len(echo))])
 
     async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
-                     created: int, model: str, chat: bool, n: int, prompt_tokens: int) -> web.Response:
+                     created: int, model: str, chat: bool, n: int, prompt_tokens: int,
+                     echo: list[str]) -> web.Response:
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
         completion: dict[int, int] = {}
@@ -227,7 +237,7 @@ class OpenAIHandlers:
             await deltas.aclose()
         choices = []
         for i in range(n):
-            text = "".join(texts.get(i, []))
+            text = (echo[i] if echo else "") + "".join(texts.get(i, []))
             logprobs = _logprobs(lps.get(i, []), chat)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
@@ -244,7 +254,7 @@ class OpenAIHandlers:
 
     async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
                       ident: str, created: int, model: str, chat: bool, prompt_tokens: int,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, echo: list[str]) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
@@ -275,6 +285,10 @@ class OpenAIHandlers:
                     delta = {"content": item["text"]} if item["text"] else {}
                     choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"]}
                 else:
+                    if echo and i not in started:  # the prompt goes out first, as its own chunk
+                        started.add(i)
+                        await send(chunk([{"index": i, "text": echo[i], "logprobs": None, "finish_reason": None,
+                                           "stop_reason": None}]))
                     choice = {"index": i, "text": item["text"], "logprobs": logprobs,
                               "finish_reason": item["finish_reason"], "stop_reason": None}
                 if item["text"] or item["finish_reason"] or logprobs:
