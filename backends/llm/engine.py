@@ -162,6 +162,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         params = params or SamplingParams()
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len="
+                             f"{self.max_model_len}. Please request fewer output tokens.")
         ids = self.encode_prompt(prompt)
         seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1

@@ -207,6 +207,8 @@ def test_openai_errors(oai) -> None:
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=-3)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         oai.completions.create(model="tiny_llama", prompt="word " * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=1000000000 cannot be greater than max_model_len"):
+        oai.completions.create(model="tiny_llama", prompt="x", max_tokens=10**9)
     with pytest.raises(openai.BadRequestError, match="greedy"):
         oai.completions.create(model="tiny_llama", prompt="x", n=2, temperature=0)
 
