@@ -209,6 +209,16 @@ def test_openai_errors(oai) -> None:
         oai.completions.create(model="tiny_llama", prompt="word " * 600, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="max_tokens=1000000000 cannot be greater than max_model_len"):
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=10**9)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    response_format={"type": "json_object"})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tool calling"):
+        oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    tools=[tool])
+    plain = oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                        response_format={"type": "text"}, tools=[tool], tool_choice="none")
+    assert plain.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="greedy"):
         oai.completions.create(model="tiny_llama", prompt="x", n=2, temperature=0)
 

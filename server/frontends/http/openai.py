@@ -171,10 +171,18 @@ class OpenAIHandlers:
             doc = await self._body(request)
             model = self._check_model(doc.get("model"))
             sampling, logprobs = self._sampling(doc, chat)
+            fmt = doc.get("response_format")
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise _BadRequest("response_format other than {\"type\": \"text\"} (structured output) is not "
+                                  "supported by this server.", "response_format")
             if chat:
                 messages = doc.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise _BadRequest("messages must be a non-empty list.", "messages")
+                if doc.get("tools") and doc.get("tool_choice", "auto") != "none":
+                    # vLLM without a tool parser answers the same way.
+                    raise _BadRequest("tool calling is not supported by this server: send tool_choice \"none\" or "
+                                      "no tools.", "tool_choice")
                 infers = [self._request(model, "", messages, sampling, logprobs is not None)]
             else:
                 prompts = self._prompts(doc.get("prompt"))
