@@ -165,6 +165,10 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len="
                              f"{self.max_model_len}. Please request fewer output tokens.")
+        vocab = self.model_config.vocab_size
+        outside = sorted({t for t, _ in params.logit_bias if t >= vocab})
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary (size {vocab}): {outside[:10]}")
         ids = self.encode_prompt(prompt)
         seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1

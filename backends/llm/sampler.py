@@ -1,7 +1,7 @@
 """Logits → next tokens, per row with that row's SamplingParams.
 
 Order (as vLLM): logprobs are taken from the raw logits; then penalties (repetition over prompt
-and output, HF style; presence/frequency over output only), min_tokens masking, then greedy
+and output, HF style; presence/frequency over output only), logit_bias, min_tokens masking, then greedy
 argmax, or temperature → top-k → top-p → min-p → a draw. A row with a seed draws from its own
 generator, so its samples do not depend on what else is in the batch.
 """
@@ -59,7 +59,8 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[
     for i, s in enumerate(seqs):
         p = s.params
         needs_min = p.min_tokens and s.num_output < p.min_tokens
-        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and not needs_min:
+        if (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty and not needs_min
+                and not p.logit_bias):
             continue
         if not cloned:
             logits = logits.clone()
@@ -73,6 +74,9 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[
             idx = torch.tensor(list(s.output_counts), device=logits.device)
             counts = torch.tensor(list(s.output_counts.values()), dtype=logits.dtype, device=logits.device)
             row[idx] -= p.frequency_penalty * counts + p.presence_penalty
+        if p.logit_bias:
+            idx = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            row.index_add_(0, idx, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=logits.device))
         if needs_min:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             if banned:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -39,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), clamped to [-100, 100]
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), min(100.0, max(-100.0, float(b)))) for t, b in bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -78,6 +82,8 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("logit_bias keys must be non-negative token ids")
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +143,15 @@ def _coerce(key: str, value: Any) -> Any:
             if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
                 return tuple(value)
             raise ValueError
+        if key == "logit_bias":  # OpenAI's shape: {"token id": bias}, ids as strings in JSON
+            if not isinstance(value, Mapping):
+                raise ValueError
+            out = []
+            for t, b in value.items():
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                    raise ValueError
+                out.append((int(t), float(b)))
+            return tuple(out)
         if key == "stop_token_ids":
             if isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
                 return tuple(value)

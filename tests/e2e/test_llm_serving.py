@@ -142,6 +142,12 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
     n2 = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=5, n=2, temperature=1.0, seed=7,
                                 extra_body={"ignore_eos": True})
     assert sorted(ch.index for ch in n2.choices) == [0, 1] and n2.usage.completion_tokens == 10
+    biased = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=4, temperature=0, logprobs=0,
+                                    logit_bias={"7": 100}, extra_body={"ignore_eos": True})
+    tokens = biased.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1  # token 7, four times
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=2, logit_bias={"99999999": 1})
 
 
 def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:

@@ -26,7 +26,7 @@ from server.types import InferenceRequest, InferenceResponse, RequestedOutput, T
 # Body fields passed to the engine's sampling parameters (OpenAI's and vLLM's names).
 _SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
              "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "logit_bias")
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
                  501: "NotImplementedError", 503: "ServiceUnavailableError"}
 _CODE_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNSUPPORTED: 400,

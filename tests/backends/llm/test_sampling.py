@@ -24,6 +24,8 @@ def test_from_json_accepts_vllm_names():
     ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": "many"}, "max_tokens"),
     ({"stop": [1]}, "stop"), ({"n": 2, "temperature": 0}, "greedy"), ({"repetition_penalty": 0}, "repetition"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": -1}, "logprobs"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
 ])
 def test_from_json_rejects_bad_values(body, word):
     with pytest.raises(ValueError, match=word):
@@ -119,3 +121,19 @@ def test_logprobs(llama_dir, prompts):
         assert lp <= 0 and len(top) == 2
         assert o.token_ids[0] == max(top, key=top.get)  # greedy picks the most likely token
         assert abs(top[o.token_ids[0]] - lp) < 1e-6
+
+
+def test_logit_bias(llama_dir, prompts):
+    """OpenAI's logit_bias: {"token id": bias} added to the logits before choosing (greedy too),
+    clamped to [-100, 100]; returned logprobs stay the model's own; ids outside the vocabulary fail."""
+    p = SamplingParams.from_json({"logit_bias": {"7": 250, 9: -3.5}})
+    assert dict(p.logit_bias) == {7: 100.0, 9: -3.5}
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    forced = _run(eng, prompts[:2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias={7: 100}))
+    assert forced == [[[7] * 5], [[7] * 5]]
+    plain = _run(eng, prompts[:1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0][0]
+    banned = _run(eng, prompts[:1], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                   logit_bias={plain[0]: -100}))[0][0]
+    assert banned[0] != plain[0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request("oov", prompts[0], SamplingParams(logit_bias={10**6: 1}))
