@@ -132,6 +132,14 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == expected
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert all(ch.usage is None for ch in chunks[:-1])
+    running = list(oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True},
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in running]
+    assert counts == sorted(counts) and counts[-1] == 12 and all(ch.usage.prompt_tokens > 0 for ch in running)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        oai.completions.create(model="tiny_llama", prompt="hello", suffix="!", max_tokens=2)
     lp = oai.completions.create(model="tiny_llama", prompt="hello", max_tokens=4, temperature=0, logprobs=2,
                                 extra_body={"ignore_eos": True})
     assert len(lp.choices[0].logprobs.token_logprobs) == 4

@@ -185,6 +185,8 @@ class OpenAIHandlers:
                                       "no tools.", "tool_choice")
                 infers = [self._request(model, "", messages, sampling, logprobs is not None)]
             else:
+                if doc.get("suffix"):
+                    raise _BadRequest("suffix is not supported by this server.", "suffix")
                 prompts = self._prompts(doc.get("prompt"))
                 if doc.get("echo"):
                     if logprobs is not None:
@@ -215,8 +217,9 @@ class OpenAIHandlers:
         ident = ("chatcmpl-" if chat else "cmpl-") + infers[0].id
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
+            usage = bool(isinstance(options, dict) and options.get("include_usage"))
             return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
-                                      bool(isinstance(options, dict) and options.get("include_usage")),
+                                      usage, usage and bool(options.get("continuous_usage_stats")),
                                       [echo[k // n] for k in range(n * len(echo))])
         return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens,
                                  [echo[k // n] for k in range(n * len(echo))])
@@ -262,7 +265,7 @@ class OpenAIHandlers:
 
     async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
                       ident: str, created: int, model: str, chat: bool, prompt_tokens: int,
-                      include_usage: bool, echo: list[str]) -> web.StreamResponse:
+                      include_usage: bool, continuous_usage: bool, echo: list[str]) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
@@ -271,13 +274,20 @@ class OpenAIHandlers:
         async def send(doc: dict[str, Any]) -> None:
             await reply.write(b"data: " + orjson.dumps(doc) + b"\n\n")
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        completion: dict[int, int] = {}
+
+        def usage_now() -> dict[str, int]:
+            total = sum(completion.values())
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": total, "total_tokens": prompt_tokens + total}
+
+        def chunk(choices: list[dict[str, Any]], final: bool = False) -> dict[str, Any]:
+            """With include_usage every chunk has `usage`: null, then the totals in a last chunk of its
+            own; with continuous_usage_stats too, every chunk carries the running totals (vLLM)."""
             doc: dict[str, Any] = {"id": ident, "object": kind, "created": created, "model": model, "choices": choices}
             if include_usage:
-                doc["usage"] = usage
+                doc["usage"] = usage_now() if final or continuous_usage else None
             return doc
 
-        completion: dict[int, int] = {}
         started: set[int] = set()
         item: dict[str, Any] | None = first
         try:
@@ -303,9 +313,7 @@ class OpenAIHandlers:
                     await send(chunk([choice]))
                 item = await anext(deltas, None)
             if include_usage:
-                total = sum(completion.values())
-                await send(chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": total,
-                                      "total_tokens": prompt_tokens + total}))
+                await send(chunk([], final=True))
         except PierError as exc:
             await send({"error": {"message": exc.message, "type": "BadRequestError", "param": None,
                                   "code": _CODE_STATUS.get(exc.code, 500)}})
