@@ -45,7 +45,7 @@ def paged_decode_attention() -> Callable[..., None] | None:
 
 def _digest() -> str:
     h = hashlib.sha256()
-    for path in sorted(_CSRC.iterdir()):
+    for path in sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h")):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
