@@ -173,6 +173,10 @@ def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
     ids = oai.completions.create(model="tiny_llama", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, n=2, temperature=1.0,
                                  seed=3, extra_body={"ignore_eos": True})
     assert sorted(ch.index for ch in ids.choices) == [0, 1, 2, 3] and ids.usage.prompt_tokens == 5
+    alone = [oai.completions.create(model="tiny_llama", prompt=p, max_tokens=3, n=2, temperature=1.0, seed=3,
+                                    extra_body={"ignore_eos": True}) for p in ([5, 6, 7], [8, 9])]
+    expected_texts = {p * 2 + ch.index: ch.text for p, c in enumerate(alone) for ch in c.choices}
+    assert {ch.index: ch.text for ch in ids.choices} == expected_texts  # seeded: the same draws as alone
     chunks = list(oai.completions.create(model="tiny_llama", prompt=["hello pier", "a b c"], max_tokens=6,
                                          temperature=0, stream=True, stream_options={"include_usage": True},
                                          extra_body={"ignore_eos": True}))
@@ -190,14 +194,17 @@ def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
     assert chunks[0].choices[0].text == "a b c" and "".join(c.choices[0].text for c in chunks) == echoed.choices[1].text
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.completions.create(model="tiny_llama", prompt=[5, 6], max_tokens=2, echo=True)
+    aborted = _aborted(server)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):  # one bad prompt fails the call
-        oai.completions.create(model="tiny_llama", prompt=["hello", "word " * 600], max_tokens=4)
+        oai.completions.create(model="tiny_llama", prompt=["hello", "word " * 600], max_tokens=200,
+                               extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError, match="prompt must be"):
         oai.completions.create(model="tiny_llama", prompt=["hello", 3], max_tokens=4)
     deadline = time.monotonic() + 20  # the other prompt's request is cancelled, not left running
     while time.monotonic() < deadline and _metric(server, "vllm:num_requests_running") > 0:
         time.sleep(0.1)
     assert _metric(server, "vllm:num_requests_running") == 0
+    assert _aborted(server) == aborted + 1  # "hello" was cancelled, not run to its 200 tokens
 
 
 def test_openai_chat(oai) -> None:
