@@ -65,13 +65,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     decode: DecodeBatch | None = None  # replaces decode_groups when the compiled kernel is in use
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Set when K is stored block-transposed, [kv_heads, num_blocks, head_dim, block_size] (the
-    # kernel's layout): each new token's (block id, offset in block), computed once per step.
-    k_slots: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def k_transposed(self) -> bool:
-        return self.k_slots is not None
+    # K stored block-transposed, [kv_heads, num_blocks, head_dim, block_size]: the compiled
+    # kernels' layout, whose fused RoPE op also writes K (so `write_kv` never sees this layout).
+    k_transposed: bool = False
 
 
 class Workspace:
@@ -95,14 +91,11 @@ class Workspace:
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots."""
+    """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots (torch path's layout)."""
+    assert not meta.k_transposed, "the block-transposed K cache is written by the fused RoPE op"
     kvh, hd = v_cache.shape[0], v_cache.shape[3]
+    k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    if meta.k_slots is not None:
-        blocks, offsets = meta.k_slots
-        k_cache.permute(0, 1, 3, 2)[:, blocks, offsets] = k.transpose(0, 1)
-    else:
-        k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
 
 
 def paged_attention(

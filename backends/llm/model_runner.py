@@ -93,9 +93,8 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(s.seq_id)
-        slot_mapping = torch.tensor(slots, device=dev)
-        k_slots = (slot_mapping // bs, slot_mapping % bs) if self.decode_op is not None else None
-        meta = AttentionMetadata(slot_mapping, groups, decode, chunks, k_slots)
+        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
+                                 k_transposed=self.decode_op is not None)
         hidden = self.model.forward(
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
         )
