@@ -215,14 +215,13 @@ class OpenAIHandlers:
         first = await anext(deltas)
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + infers[0].id
+        echoed = [echo[k // n] for k in range(n * len(echo))]  # per choice: its prompt's text
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
             usage = bool(isinstance(options, dict) and options.get("include_usage"))
             return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
-                                      usage, usage and bool(options.get("continuous_usage_stats")),
-                                      [echo[k // n] for k in range(n * len(echo))])
-        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens,
-                                 [echo[k // n] for k in range(n * len(echo))])
+                                      usage, usage and bool(options.get("continuous_usage_stats")), echoed)
+        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens, echoed)
 
     async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
                      created: int, model: str, chat: bool, n: int, prompt_tokens: int,
