@@ -29,7 +29,17 @@ from bench import report
 from bench.common import Servers, Settings, log, start_pier, temp_dir
 from bench.loadgen import run_grpc
 from bench.measure import timed_loop
-from bench.text_embedding import BATCHED, LEVELS, MODEL, NOBATCH, SEQ_LEN, UNBATCHED, batching_targets, measure_both
+from bench.text_embedding import (
+    BATCHED,
+    LEVELS,
+    MODEL,
+    NOBATCH,
+    SEQ_LEN,
+    UNBATCHED,
+    batching_targets,
+    measure_both,
+    ratio,
+)
 
 HIDDEN = 384
 QUEUE_DELAY_US = 2000  # as model_repository/text_embedding/config.pbtxt
@@ -154,12 +164,7 @@ def run(settings: Settings, device: str) -> Path:
                     pier.grpc, requests[m], c, settings.loadgen_s, settings.warmup_s, check=check))
 
     targets = batching_targets(group, DIRECT, "direct")
-
-    def ratio(a: str, x: int, b: str, y: int) -> float | None:
-        p, q = group.tput(a, x), group.tput(b, y)
-        return p / q if p and q else None
-
-    gain_direct, gain_pier = ratio(DIRECT, 32, DIRECT, 1), ratio(BATCHED, 32, UNBATCHED, 32)
+    gain_direct, gain_pier = ratio(group, DIRECT, 32, DIRECT, 1), ratio(group, BATCHED, 32, UNBATCHED, 32)
     group.notes += [
         f"Batching gain: direct batch 32 ÷ batch 1 = {gain_direct or 0:.1f}×; Pier with batching ÷ without at "
         f"c=32 = {gain_pier or 0:.1f}×.",
