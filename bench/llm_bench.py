@@ -6,7 +6,7 @@ lengths 8-256 (fixed seed), greedy with ignore_eos so every length is exact, all
 Also: peak KV memory vs. a max-length reservation, and time to first token with a shared 512-token
 system prompt, prefix caching on vs off.
 
-    .venv/bin/python -m bench.llm_bench            # full run (~10 minutes), writes bench/results/llm_engine.*
+    .venv/bin/python -m bench.llm_bench            # full run (~12 minutes), writes bench/results/llm_engine.*
     .venv/bin/python -m bench.llm_bench --quick    # 16 requests, no vLLM: a smoke run (llm_engine-quick.*)
     .venv/bin/python -m bench.llm_bench --threads 1  # every engine on one core (llm_engine-1thread.*): steadier
                                                      # when other work shares the machine
@@ -221,7 +221,7 @@ def write_report(res: dict[str, Any], name: str) -> None:
     thr = res["throughput"]
     pier = thr["pier"]["tok_s"]
     lines = [f"# LLM engine: {res['workload']}", "", f"Machine: {res['machine']}. One run; noisy 2-core CPU. "
-             "Pier and vLLM: median of alternating rounds (each round listed).", "",
+             "Every engine runs once per round, rounds alternate; each row is the median round (all listed).", "",
              "| engine | generated tokens | wall s | output tok/s | Pier ÷ this |", "|---|---|---|---|---|"]
     for key, label in (("pier", "Pier engine (continuous batching, paged KV)"),
                        ("hf_sequential", "transformers generate, one request at a time"),
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-dir", type=Path, default=Path(os.path.expanduser("~/vllm-ref")))
     ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=3, help="alternating Pier / vLLM rounds (median reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every engine, alternating (median reported)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for Pier and transformers, and cores bound for vLLM (default: all)")
     a = ap.parse_args()
@@ -309,34 +309,40 @@ def main() -> None:
                     max_model_len=max_model_len)
     thr: dict[str, Any] = {}
     notes = []
-    # Pier and vLLM are close and this machine's speed drifts by 20 % within minutes, so they run
-    # in alternating rounds and each reports its median round (every round is kept in the JSON).
-    rounds: dict[str, list[dict[str, Any]]] = {"pier": [], "vllm": []}
-    skip_vllm = "skipped (--no-vllm / --quick)" if a.no_vllm or a.quick else None
+    # This machine's speed drifts by 20 % within minutes (other sessions share it), so every engine
+    # runs once per round, the rounds alternate, and each engine reports its median round (every
+    # round is kept in the JSON and listed in the table). Ratios are then of medians taken over the
+    # same stretch of time, not of one baseline run against Pier's best of three.
+    engines: list[tuple[str, Any]] = [
+        ("pier", lambda: run_pier(folder, reqs, **pier_cfg)),
+        ("vllm", lambda: run_vllm(folder, reqs, a.vllm_dir)),
+        ("hf_static8", lambda: run_hf_static(folder, reqs)),
+        ("hf_sequential", lambda: run_hf_sequential(folder, reqs)),
+    ]
+    rounds: dict[str, list[dict[str, Any]]] = {key: [] for key, _ in engines}
+    if a.no_vllm or a.quick:
+        thr["vllm"] = "skipped (--no-vllm / --quick)"
     for r in range(a.rounds):
-        log(f"round {r + 1}/{a.rounds}: Pier engine ...")
-        rounds["pier"].append(run_pier(folder, reqs, **pier_cfg))
-        log(f"  {rounds['pier'][-1]['tok_s']:.1f} tok/s")
-        if skip_vllm is None:
-            log(f"round {r + 1}/{a.rounds}: vLLM ...")
-            res_v = run_vllm(folder, reqs, a.vllm_dir)
-            if isinstance(res_v, str):
-                skip_vllm = res_v
-            else:
-                rounds["vllm"].append(res_v)
-                log(f"  {res_v['tok_s']:.1f} tok/s")
+        for key, run in engines:
+            if key in thr:  # vLLM skipped or not installed
+                continue
+            log(f"round {r + 1}/{a.rounds}: {key} ...")
+            res_r = run()
+            if isinstance(res_r, str):
+                thr[key] = res_r
+                continue
+            rounds[key].append(res_r)
+            log(f"  {res_r['tok_s']:.1f} tok/s")
+    per_round = [
+        f"{key}: " + " / ".join(f"{p['tok_s'] / x['tok_s']:.2f}x" for p, x in zip(rounds["pier"], runs))
+        for key, runs in rounds.items() if key != "pier" and runs
+    ]
+    if per_round:
+        notes.append("Pier ÷ each engine within each round (same stretch of time): " + "; ".join(per_round) + ".")
     for key, runs in rounds.items():
         if runs:
             thr[key] = dict(sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2],
                             rounds_tok_s=[round(x["tok_s"], 1) for x in runs])
-    if skip_vllm is not None:
-        thr["vllm"] = skip_vllm
-    log("transformers static batches of 8 ...")
-    thr["hf_static8"] = run_hf_static(folder, reqs)
-    log(f"  {thr['hf_static8']['tok_s']:.1f} tok/s")
-    log("transformers sequential ...")
-    thr["hf_sequential"] = run_hf_sequential(folder, reqs)
-    log(f"  {thr['hf_sequential']['tok_s']:.1f} tok/s")
     log("prefix-caching TTFT ...")
     pt = pier_prefix_ttft(folder, 6 if a.quick else 16)
     per_tok = thr["pier"]["kv_bytes_per_token"]
