@@ -17,7 +17,7 @@ import abc
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from server.errors import PierError
 from server.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
@@ -94,6 +94,11 @@ class ModelInstance(abc.ABC):
     def prometheus(self, model: str, version: str) -> str:
         """Extra Prometheus text (whole families) this instance exports; "" for none."""
         return ""
+
+    def info(self) -> dict[str, Any]:
+        """Facts a frontend may report about the loaded model (the LLM's max_model_len for the
+        OpenAI API's /v1/models); {} for none."""
+        return {}
 
 
 class Backend(abc.ABC):

@@ -87,9 +87,14 @@ class DataPlane:
             "outputs": [{"name": t.name, "datatype": t.datatype, "shape": spec.api_shape(t)} for t in spec.outputs],
         }
 
-    def models_with_backend(self, backend: str) -> list[str]:
-        """Names of the models with a READY version served by `backend` (e.g. the OpenAI API's "llm")."""
-        return sorted({m.spec.name for m in self._manager.loaded_models() if m.spec.backend == backend})
+    def models_with_backend(self, backend: str) -> dict[str, dict[str, Any]]:
+        """Models with a READY version served by `backend` (e.g. the OpenAI API's "llm"), each with
+        its newest version's first instance's `info()`."""
+        out: dict[str, dict[str, Any]] = {}
+        for m in sorted(self._manager.loaded_models(), key=lambda m: m.version):
+            if m.spec.backend == backend:
+                out[m.spec.name] = m.instances[0].info() if m.instances else {}
+        return dict(sorted(out.items()))
 
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return dict(self._model(name, version).spec.config_json)

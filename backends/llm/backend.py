@@ -312,6 +312,9 @@ class LLMInstance(ModelInstance):
             family(name, "histogram", help_text, hist.render(name, labels))
         return "".join(parts)
 
+    def info(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.max_model_len}
+
     def close(self) -> None:
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import socket
 import time
 from functools import partial
@@ -221,15 +222,20 @@ def test_openai_chat(oai) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_openai_errors(oai) -> None:
+def test_openai_errors(oai, server: PierProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="nope"):
         oai.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=-3)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         oai.completions.create(model="tiny_llama", prompt="word " * 600, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="max_tokens=1000000000 cannot be greater than max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens=1000000000 cannot be greater than max_model_len") \
+            as too_long:
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=10**9)
+    # /v1/models reports the same context limit the engine enforces (vLLM's model card field).
+    limit = int(re.search(r"max_model_len=(\d+)", str(too_long.value)).group(1))
+    cards = requests.get(f"{server.base()}/v1/models", timeout=10).json()["data"]
+    assert [(c["id"], c["max_model_len"]) for c in cards] == [("tiny_llama", limit)]
     with pytest.raises(openai.BadRequestError, match="response_format"):
         oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     response_format={"type": "json_object"})

@@ -69,7 +69,7 @@ class OpenAIHandlers:
     # ---- helpers -------------------------------------------------------------------------
 
     def _llm_models(self) -> list[str]:
-        return self.plane.models_with_backend("llm")
+        return list(self.plane.models_with_backend("llm"))
 
     def _check_model(self, name: Any) -> str:
         models = self._llm_models()
@@ -326,8 +326,8 @@ class OpenAIHandlers:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None}
-                for m in self._llm_models()]
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
+                 **info} for m, info in self.plane.models_with_backend("llm").items()]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
