@@ -85,6 +85,11 @@ def test_generate_errors(server: PierProcess) -> None:
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/infer", timeout=30,
                       json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
     assert r.status_code == 501 and "decoupled transaction policy" in r.json()["error"]  # as Triton
+    # Streaming deltas cannot be one /generate answer: a 400, as Triton's "exactly 1 response" rule.
+    r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
+                      json={"text_input": "x", "stream": True, "sampling_parameters": GREEDY})
+    assert r.status_code == 400 and "exactly 1 response" in r.json()["error"] and "generate_stream" in r.text
+    assert generate(server, {"text_input": "x", "sampling_parameters": GREEDY})["text_output"]
 
 
 def test_grpc_stream_with_tritonclient(server: PierProcess) -> None:

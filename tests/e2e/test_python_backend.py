@@ -5,6 +5,7 @@ batching handing execute() a list of requests."""
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import threading
@@ -177,3 +178,16 @@ def test_bls_on_a_decoupled_model(server: PierProcess) -> None:
     inp = httpclient.InferInput("IN", [1], "INT32")
     inp.set_data_from_numpy(np.array([4], dtype=np.int32))
     assert int(client.infer("bls_decoupled_sum", [inp]).as_numpy("SUM")[0]) == 16  # 4 responses of 4
+
+
+def test_generate_needs_exactly_one_response(server: PierProcess) -> None:
+    """Triton's rule for /generate on a decoupled model: one response answers; none or several are
+    a 400 (generate_stream is the endpoint for several), and the server keeps serving."""
+    url = f"{server.base()}/v2/models/square_int32"
+    r = requests.post(f"{url}/generate", json={"IN": 1}, timeout=30)
+    assert r.status_code == 200 and r.json()["OUT"] == 1, r.text
+    for n, word in ((3, "more"), (0, "none")):
+        r = requests.post(f"{url}/generate", json={"IN": n}, timeout=30)
+        assert r.status_code == 400 and "exactly 1 response" in r.json()["error"] and word in r.json()["error"]
+    events = requests.post(f"{url}/generate_stream", json={"IN": 3}, timeout=30).text.split("\n\n")
+    assert [json.loads(e.removeprefix("data: "))["OUT"] for e in events if e] == [3, 3, 3]

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError
+from server.errors import ErrorCode, PierError, invalid_arg
 from server.frontends.http import codec, generate, openai
 from server.frontends.http.errors import error_response, from_error
 from server.types import InferenceRequest, InferenceResponse
@@ -130,15 +130,25 @@ class HttpHandlers:
         return generate.decode(model, version, doc, metadata, batching)
 
     async def generate(self, request: web.Request) -> web.Response:
-        """One JSON answer; for a decoupled model, its last response that carries outputs."""
+        """One JSON answer. As in Triton, the model must produce exactly one response (a decoupled
+        model's flag-only final does not count); a second one cancels the request."""
         answer = None
-        async for item in self.plane.infer_stream(await self._generate_request(request)):
-            if isinstance(item, PierError):
-                raise item
-            if item.outputs:
+        stream = self.plane.infer_stream(await self._generate_request(request))
+        try:
+            async for item in stream:
+                if isinstance(item, PierError):
+                    raise item
+                if not item.outputs:
+                    continue
+                if answer is not None:
+                    raise invalid_arg("generate expects model to produce exactly 1 response, this model sent "
+                                      "more: use generate_stream (or ask the model for a single response, e.g. "
+                                      "\"stream\": false)")
                 answer = item
+        finally:
+            await stream.aclose()  # cancels the request if it is still producing
         if answer is None:
-            raise PierError(ErrorCode.INTERNAL, "the model sent no response")
+            raise invalid_arg("generate expects model to produce exactly 1 response, this model sent none")
         return _json(generate.encode(answer))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
