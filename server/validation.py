@@ -34,6 +34,8 @@ def check_parameters(params: dict[str, object]) -> None:
             raise invalid_arg(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
         expected = _TYPED_KEYS.get(key)
         if expected is not None and not expected[0](value):
+            if expected[0] is _uint and isinstance(value, int) and not isinstance(value, bool):
+                raise invalid_arg(f"invalid value for '{key}' parameter, expected value >= 0.")  # as Triton
             raise invalid_arg(f"invalid value type for '{key}' parameter, expected {expected[1]}.")
 
 

@@ -3,8 +3,9 @@ run as one batch on the next idle instance.
 
 When an instance is idle, the batcher takes requests in priority order (then arrival order),
 stopping at the first one that does not fit (incompatible shapes, or past max_batch_size).
-It runs that batch at once if it reached max_batch_size or a preferred size, or when the
-oldest request has waited max_queue_delay_microseconds; otherwise it waits for more.
+It runs at once a prefix of preferred size (or, when the queue holds more than the largest
+preferred size, the prefix that stays under it), a batch that cannot grow, or whatever is
+queued once the oldest request has waited max_queue_delay_microseconds (see _next_batch).
 With a BatchLayout (ragged batching, see ragged.py), ragged inputs take no part in shape
 compatibility, the batch gets its batch inputs, and batch outputs are scattered back.
 Per-level queue policies bound the queue (a full queue rejects at once with UNAVAILABLE) and
@@ -19,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backends.base import ExecuteResult, ModelInstance
-from server.errors import PierError, internal, invalid_arg, unavailable
+from server.errors import PierError, internal, unavailable
 from server.scheduling.base import Scheduler, WorkItem
 from server.scheduling.batch import CompatKey, compat_key, merge, split
 from server.scheduling.instance_pool import InstancePool, JobResult
@@ -90,18 +91,15 @@ class DynamicBatcher(Scheduler):
         if p.priority_levels <= 0:
             return 1
         requested = item.request.parameters.get("priority", 0)
-        level = requested or p.default_priority_level or p.priority_levels
-        if level > p.priority_levels:
-            raise invalid_arg(
-                f"priority level {level} is out of range: the model has priority levels 1..{p.priority_levels}"
-            )
-        return level
+        if not requested or requested > p.priority_levels:  # as Triton: 0 or out of range -> the default
+            return p.default_priority_level or p.priority_levels
+        return requested
 
     def _deadline(self, item: WorkItem, policy: QueuePolicy) -> int | None:
         timeout = policy.default_timeout_us
         requested = item.request.parameters.get("timeout", 0)
-        if policy.allow_timeout_override and requested:
-            timeout = min(timeout, requested) if timeout else requested
+        if policy.allow_timeout_override and requested and timeout:  # as Triton: only shortens a default
+            timeout = min(timeout, requested)
         return item.enqueued_ns + timeout * 1000 if timeout else None
 
     async def enqueue(self, item: WorkItem) -> ExecuteResult:
@@ -202,48 +200,51 @@ class DynamicBatcher(Scheduler):
         yield from self._delayed
 
     def _next_batch(self, now: int) -> tuple[list[_Pending], int | None]:
-        """The batch to run now, or ([], when to look again)."""
+        """The batch to run now, or ([], when to look again). Triton's rules: walk the queue while
+        requests fit (compatible shapes, within max_batch_size), remembering the longest prefix
+        that is a preferred size, or else the prefix just before the total would pass the
+        largest preferred size. Within the queue delay that prefix runs at once; a batch that
+        cannot grow (something did not fit, or it reached the largest preferred size) runs
+        whole; otherwise wait for the oldest request's delay."""
         p = self._policy
         max_size = p.max_batch_size
+        preferred = p.preferred_sizes
+        max_preferred = max(preferred) if preferred else max_size
         candidate: list[_Pending] = []
-        total = 0
+        total = best = 0
+        send_now = False
         key = None
         ordered = self._queues[0] if len(self._queues) == 1 and not self._delayed else self._ordered()
         for pending in ordered:
             if pending.future.done():  # cancelled by its client while queued
                 continue
             size = pending.item.batch_size
-            if candidate and (pending.key != key or total + size > max_size):
-                break
-            if not candidate:
+            if candidate:
+                if not best and total + size > max_preferred:
+                    best = len(candidate)
+                if total + size > max_size or pending.key != key:
+                    send_now = True
+                    break
+            else:
                 key = pending.key
             candidate.append(pending)
             total += size
-            if total >= max_size:
+            if total in preferred:
+                best = len(candidate)
+            if total >= max_size:  # nothing more can join (the next request would stop the walk)
+                send_now = True
                 break
         if not candidate:
             if self.pending_count():
                 self._drop_done()
             return [], None
-        if total >= max_size:
-            return self._take(candidate), None
-        preferred = self._longest_preferred_prefix([c.item.batch_size for c in candidate]) if p.preferred_sizes else 0
-        full_stop = len(candidate) < self.pending_count()  # something queued could not join
-        if preferred and (preferred == len(candidate) or full_stop):
-            return self._take(candidate[:preferred]), None
         deadline = candidate[0].item.enqueued_ns + p.max_queue_delay_us * 1000
-        if now >= deadline or full_stop:
-            return self._take(candidate[:preferred] if preferred else candidate), None
+        waited_out = p.max_queue_delay_us > 0 and now >= deadline
+        if best and not waited_out:
+            return self._take(candidate[:best]), None
+        if send_now or total >= max_preferred or now >= deadline:
+            return self._take(candidate), None
         return [], deadline
-
-    def _longest_preferred_prefix(self, sizes: list[int]) -> int:
-        """How many leading requests add up to a preferred batch size (0: none)."""
-        best, running = 0, 0
-        for i, size in enumerate(sizes):
-            running += size
-            if running in self._policy.preferred_sizes:
-                best = i + 1
-        return best
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
         """Remove `batch` from the queues. It is a prefix of `_ordered()` once the cancelled

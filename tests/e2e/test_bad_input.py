@@ -167,7 +167,10 @@ def _typed_mixed():
 
 
 def _with_param(req, key, value):
-    req.parameters[key].string_param = value
+    if isinstance(value, int):
+        req.parameters[key].int64_param = value
+    else:
+        req.parameters[key].string_param = value
     return req
 
 
@@ -195,6 +198,8 @@ GRPC_CASES = [
      "unexpected explicit tensor data for input tensor 'INPUT0'"),
     ("priority as a string", _with_param(_req(), "priority", "high"), grpc.StatusCode.INVALID_ARGUMENT,
      "invalid value type for 'priority' parameter"),
+    ("negative priority", _with_param(_req(), "priority", -1), grpc.StatusCode.INVALID_ARGUMENT,
+     "invalid value for 'priority' parameter, expected value >= 0."),
     ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
     ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
     ("unknown version", _req(version="7"), grpc.StatusCode.NOT_FOUND, "version 7 is not found"),

@@ -85,6 +85,34 @@ def test_preferred_size_runs_without_waiting_for_the_delay():
     run(main())
 
 
+def test_preferred_prefix_runs_at_once_as_in_triton():
+    """Triton's choice when the queue holds more than a preferred size: the prefix that is a
+    preferred size runs at once, and so does the prefix just under the largest preferred size
+    when the next request would overshoot it; the rest waits for the delay."""
+    async def main():
+        inst = Recorder()
+        policy = BatchingPolicy(max_batch_size=8, preferred_sizes=(2, 4), max_queue_delay_us=400_000)
+        b, _ = await _batcher(policy, inst)
+        t0 = time.monotonic()
+        done: list[float] = []
+
+        async def timed(item: WorkItem) -> None:
+            await b.enqueue(item)
+            done.append(time.monotonic() - t0)
+
+        await asyncio.gather(*(timed(request(float(i))) for i in range(3)))  # 1 + 1 + 1: a prefix of 2
+        assert inst.batches == [[0.0, 1.0], [2.0]]
+        assert done[0] < 0.2 <= 0.35 < done[2], done
+        inst.batches.clear()
+        done.clear()
+        t0 = time.monotonic()
+        await asyncio.gather(*(timed(request(float(i), rows=3)) for i in range(2)))  # 3 + 3 passes 4
+        assert inst.batches == [[0.0] * 3, [1.0] * 3]
+        assert done[0] < 0.2 <= 0.35 < done[1], done
+        await b.stop()
+    run(main())
+
+
 def test_delay_bounds_the_wait_for_a_fuller_batch():
     async def main():
         inst = Recorder()
@@ -132,9 +160,16 @@ def test_priority_levels():
         gate.set()
         await asyncio.gather(first, high, *low)
         assert inst.batches == [[0.0], [3.0], [1.0], [2.0]]
-        with pytest.raises(PierError) as err:
-            await b.enqueue(request(1.0, priority=3))
-        assert "priority level 3" in err.value.message
+        # As Triton: a priority past the model's levels runs at the default level, not an error.
+        gate.clear()
+        first = asyncio.ensure_future(b.enqueue(request(0)))
+        await asyncio.sleep(0.05)
+        out_of_range = asyncio.ensure_future(b.enqueue(request(5.0, priority=3)))
+        high = asyncio.ensure_future(b.enqueue(request(6.0, priority=1)))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, out_of_range, high)
+        assert inst.batches[4:] == [[0.0], [6.0], [5.0]]
         await b.stop()
     run(main())
 
@@ -183,6 +218,26 @@ def test_timeouts_reject_delay_and_override():
         await asyncio.gather(running, delayed, late)
         assert inst.batches == [[0.0], [4.0], [2.0]]  # the timed-out DELAY request runs last
         assert stats.failures["REJECTED"] == 2
+        await b.stop()
+    run(main())
+
+
+def test_timeout_override_only_shortens_a_default():
+    """As Triton: with no default timeout there is nothing to shorten, so a request's own timeout
+    is ignored even when the policy allows overrides."""
+    async def main():
+        gate = threading.Event()
+        inst = Recorder(gate)
+        policy = BatchingPolicy(max_batch_size=1, default_policy=QueuePolicy(allow_timeout_override=True))
+        b, stats = await _batcher(policy, inst)
+        running = asyncio.ensure_future(b.enqueue(request(0)))
+        await asyncio.sleep(0.05)
+        patient = asyncio.ensure_future(b.enqueue(request(1.0, timeout=10_000)))
+        await asyncio.sleep(0.1)  # ten times its timeout
+        gate.set()
+        results = await asyncio.gather(running, patient)
+        assert not any(isinstance(r, PierError) for r in results) and inst.batches == [[0.0], [1.0]]
+        assert not any(stats.failures.values())
         await b.stop()
     run(main())
 
