@@ -63,7 +63,7 @@ class PierServer:
             log.info("Started GRPCInferenceService at %s", address)
         if s.allow_metrics:
             renderer = MetricsRenderer(self.manager.loaded_models, MetricsConfig.parse(s.metrics_config),
-                                       self.manager.traffic)
+                                       self.manager.traffic, s.allow_cpu_metrics)
 
             async def metrics(request: web.Request) -> web.Response:
                 return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})

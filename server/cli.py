@@ -47,7 +47,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--repository-poll-secs", type=float, default=15.0,
          help="poll mode: rescan period in seconds (file-system events apply changes sooner)")
     flag("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
-         help="counter_latencies=true|false, histogram_latencies=true|false (repeatable)")
+         help="counter_latencies, histogram_latencies, summary_latencies =true|false; "
+              "summary_quantiles=0.5:0.05,0.9:0.01,... (repeatable)")
+    flag("--allow-cpu-metrics", type=_bool, nargs="?", const=True, default=True, metavar="BOOL",
+         help="export nv_cpu_utilization and nv_cpu_memory_* (default true)")
+    # Accepted so tritonserver command lines run unchanged: Pier exports no GPU metrics, and it
+    # samples CPU use at each scrape rather than on an interval.
+    flag("--allow-gpu-metrics", type=_bool, nargs="?", const=True, default=True, metavar="BOOL",
+         help="accepted for tritonserver compatibility (no GPU metrics are exported)")
+    flag("--metrics-interval-ms", type=int, default=2000,
+         help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
     return p
 
 
@@ -102,6 +111,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         model_load_thread_count=args.model_load_thread_count,
         repository_poll_secs=args.repository_poll_secs,
         metrics_config=tuple(args.metrics_config),
+        allow_cpu_metrics=args.allow_cpu_metrics,
     )
 
 

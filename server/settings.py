@@ -30,3 +30,4 @@ class Settings:
     model_load_thread_count: int = 4
     repository_poll_secs: float = 15.0
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config
+    allow_cpu_metrics: bool = True

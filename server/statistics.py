@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class BatchStats:
 HISTOGRAM_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 _BUCKET_NS = tuple(int(b * 1_000_000) for b in HISTOGRAM_BUCKETS_MS)
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+RECENT_REQUESTS = 8192
 _STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
            "cache_hit", "cache_miss")
 
@@ -58,6 +60,10 @@ class ModelStatistics:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     # successful request latencies per histogram bucket (last slot: above the largest bound)
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_BUCKETS_MS) + 1))
+    # recent successful requests (monotonic s, total, queue, input, infer, output ns): the window
+    # the summary metrics' quantiles are computed over (bounded: a scrape sorts at most this many)
+    recent: deque[tuple[float, int, int, int, int, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One model execution over `batch_size` elements."""
@@ -84,6 +90,7 @@ class ModelStatistics:
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
+        self.recent.append((time.monotonic(), total_ns, queue_ns, input_ns, infer_ns, output_ns))
 
     def as_dict(self, name: str, version: str) -> dict[str, Any]:
         return {

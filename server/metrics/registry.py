@@ -8,6 +8,7 @@ prometheus_client still supplies the process_* / python_* families.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -19,25 +20,50 @@ from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# Triton's default summary quantiles (quantile: allowed error, the error unused here: exact).
+DEFAULT_QUANTILES = ((0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001), (0.999, 0.0001))
+SUMMARY_WINDOW_S = 60.0  # quantiles over the last minute, as prometheus-cpp's summary default
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     """`--metrics-config` keys, as tritonserver spells them."""
 
     counter_latencies: bool = True
     histogram_latencies: bool = False
+    summary_latencies: bool = False
+    summary_quantiles: tuple[tuple[float, float], ...] = DEFAULT_QUANTILES
 
     @classmethod
     def parse(cls, items: Iterable[str]) -> MetricsConfig:
-        values: dict[str, bool] = {}
+        values: dict[str, object] = {}
         for item in items:
             key, sep, value = item.partition("=")
-            if not sep or key not in ("counter_latencies", "histogram_latencies"):
+            if key == "summary_quantiles" and sep:
+                values[key] = _quantiles(value)
+                continue
+            if not sep or key not in ("counter_latencies", "histogram_latencies", "summary_latencies"):
                 raise ValueError(f"unsupported --metrics-config '{item}' (known: counter_latencies, "
-                                 "histogram_latencies, each =true or =false)")
+                                 "histogram_latencies, summary_latencies, each =true or =false, and "
+                                 "summary_quantiles=<q>:<error>,...)")
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"--metrics-config {key} must be true or false, got '{value}'")
             values[key] = value.lower() in ("true", "1")
-        return cls(**values)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _quantiles(text: str) -> tuple[tuple[float, float], ...]:
+    out = []
+    for part in text.strip().strip('"').split(","):
+        q, sep, err = part.partition(":")
+        try:
+            pair = (float(q), float(err) if sep else 0.0)
+        except ValueError:
+            raise ValueError(f"--metrics-config summary_quantiles: '{part}' is not <quantile>:<error>") from None
+        if not 0.0 <= pair[0] <= 1.0:
+            raise ValueError(f"--metrics-config summary_quantiles: quantile {pair[0]} is outside [0, 1]")
+        out.append(pair)
+    return tuple(out)
 
 
 def _labels(model: LoadedModel) -> str:
@@ -56,15 +82,26 @@ _COUNTERS: tuple[tuple[str, str, Callable[[LoadedModel], int]], ...] = (
     ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
      lambda m: m.stats.execution_count),
 )
-_DURATIONS: tuple[tuple[str, str, str], ...] = (
-    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", "success"),
-    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", "queue"),
-    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+_CACHED = " (includes cached requests)"
+_NOT_CACHED = " (does not include cached requests)"
+# (counter name, its help, summary name, its help, the stage) with Triton's texts, word for word.
+_STAGE_METRICS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds" + _CACHED,
+     "nv_inference_request_summary_us", "Summary of inference request duration in microseconds" + _CACHED,
+     "success"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds" + _CACHED,
+     "nv_inference_queue_summary_us", "Summary of inference queuing duration in microseconds" + _CACHED, "queue"),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds" + _NOT_CACHED,
+     "nv_inference_compute_input_summary_us", "Cumulative compute input duration in microseconds" + _NOT_CACHED,
      "compute_input"),
-    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+    ("nv_inference_compute_infer_duration_us",
+     "Cumulative compute inference duration in microseconds" + _NOT_CACHED,
+     "nv_inference_compute_infer_summary_us", "Cumulative compute inference duration in microseconds" + _NOT_CACHED,
      "compute_infer"),
-    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
-     "compute_output"),
+    ("nv_inference_compute_output_duration_us",
+     "Cumulative inference compute output duration in microseconds" + _NOT_CACHED,
+     "nv_inference_compute_output_summary_us",
+     "Cumulative inference compute output duration in microseconds" + _NOT_CACHED, "compute_output"),
 )
 
 
@@ -107,8 +144,9 @@ class SystemUsage:
 
 class MetricsRenderer:
     def __init__(self, models: Callable[[], list[LoadedModel]], config: MetricsConfig,
-                 traffic: Callable[[str], dict[int, float]] | None = None) -> None:
+                 traffic: Callable[[str], dict[int, float]] | None = None, cpu_metrics: bool = True) -> None:
         self._models = models
+        self._cpu_metrics = cpu_metrics
         self._traffic = traffic
         self._config = config
         self._system = SystemUsage()
@@ -125,7 +163,7 @@ class MetricsRenderer:
         for name, help_text, get in _COUNTERS[1:]:
             parts.append(_family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
         if self._config.counter_latencies:
-            for name, help_text, stage in _DURATIONS:
+            for name, help_text, _, _, stage in _STAGE_METRICS:
                 rows = [f"{name}{{{_labels(m)}}} {getattr(m.stats, stage).ns // 1000}\n" for m in models]
                 parts.append(_family(name, "counter", help_text, rows))
         parts.append(_family(
@@ -147,14 +185,48 @@ class MetricsRenderer:
         for m in models:  # backend families (e.g. the LLM engine's vllm:* metrics)
             for instance in m.instances:
                 parts.append(instance.prometheus(m.spec.name, m.version_str))
+        # Pier keeps no pinned (page-locked) host pool: both gauges are 0, present for dashboards.
+        parts.append(_family("nv_pinned_memory_pool_total_bytes", "gauge",
+                             "Pinned memory pool total memory size, in bytes",
+                             ["nv_pinned_memory_pool_total_bytes 0\n"]))
+        parts.append(_family("nv_pinned_memory_pool_used_bytes", "gauge",
+                             "Pinned memory pool used memory size, in bytes",
+                             ["nv_pinned_memory_pool_used_bytes 0\n"]))
+        if self._config.summary_latencies:
+            parts.append(self._summaries(models))
+        if self._cpu_metrics:
+            parts.append(self._cpu())
+        return "".join(parts).encode() + prometheus_client.generate_latest(prometheus_client.REGISTRY)
+
+    def _summaries(self, models: list[LoadedModel]) -> str:
+        """Triton's *_summary_us families: cumulative _count/_sum, and quantiles over the requests
+        of the last SUMMARY_WINDOW_S seconds (NaN when there were none)."""
+        horizon = time.monotonic() - SUMMARY_WINDOW_S
+        windows = {id(m): [r for r in m.stats.recent if r[0] >= horizon] for m in models}
+        out = []
+        for column, (_, _, name, help_text, stage) in enumerate(_STAGE_METRICS, start=1):
+            rows = []
+            for m in models:
+                d = getattr(m.stats, stage)
+                rows.append(f"{name}_count{{{_labels(m)}}} {d.count}\n")
+                rows.append(f"{name}_sum{{{_labels(m)}}} {d.ns // 1000}\n")
+                values = sorted(r[column] // 1000 for r in windows[id(m)])
+                for q, _ in self._config.summary_quantiles:
+                    v = values[min(len(values) - 1, int(q * len(values)))] if values else "NaN"
+                    rows.append(f'{name}{{{_labels(m)},quantile="{q:g}"}} {v}\n')
+            out.append(_family(name, "summary", help_text, rows))
+        return "".join(out)
+
+    def _cpu(self) -> str:
         total, used = self._system.memory()
+        parts = []
         parts.append(_family("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]",
                              [f"nv_cpu_utilization {self._system.utilization()}\n"]))
         parts.append(_family("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes",
                              [f"nv_cpu_memory_total_bytes {total}\n"]))
         parts.append(_family("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes",
                              [f"nv_cpu_memory_used_bytes {used}\n"]))
-        return "".join(parts).encode() + prometheus_client.generate_latest(prometheus_client.REGISTRY)
+        return "".join(parts)
 
     @staticmethod
     def _histogram(models: list[LoadedModel]) -> str:

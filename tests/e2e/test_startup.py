@@ -4,6 +4,7 @@ and graceful shutdown."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -114,9 +115,37 @@ def test_metrics_config_flags(tmp_path):
     finally:
         assert server.stop() == 0
     proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
-                           "--metrics-config=summary_latencies=true"], capture_output=True, text=True, cwd=ROOT,
+                           "--metrics-config=bogus_latencies=true"], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 2 and "unsupported --metrics-config" in proc.stderr
+
+
+def test_summary_metrics_and_tritonserver_metric_flags(tmp_path):
+    """tritonserver's metric flags start Pier unchanged; summaries count every request and give
+    ordered quantiles; CPU gauges can be turned off."""
+    server = start_pier([EXAMPLE_REPO], "--metrics-config=summary_latencies=true", "--allow-cpu-metrics=false",
+                        "--allow-gpu-metrics=false", "--metrics-interval-ms=1000", log_path=tmp_path / "log")
+    try:
+        body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+                           for n in ("INPUT0", "INPUT1")]}
+        for _ in range(5):
+            assert requests.post(f"{server.base()}/v2/models/simple/infer", json=body, timeout=5).status_code == 200
+        text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).text
+        labels = 'model="simple",version="1"'
+        assert f"nv_inference_request_summary_us_count{{{labels}}} 5\n" in text
+        assert "# HELP nv_inference_request_summary_us Summary of inference request duration in microseconds " \
+               "(includes cached requests)\n# TYPE nv_inference_request_summary_us summary\n" in text
+        quantiles = [float(re.search(rf'^nv_inference_request_summary_us{{{labels},quantile="{q}"}} (\S+)$',
+                                     text, re.M).group(1)) for q in ("0.5", "0.9", "0.99", "0.999")]
+        assert 0 < quantiles[0] <= quantiles[1] <= quantiles[2] <= quantiles[3]
+        total = float(re.search(rf"^nv_inference_request_summary_us_sum{{{labels}}} (\S+)$", text, re.M).group(1))
+        assert quantiles[0] <= total
+        for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+            assert f"nv_inference_{stage}_summary_us_count{{{labels}}} 5\n" in text
+        assert "nv_cpu_utilization" not in text and "nv_pinned_memory_pool_total_bytes 0" in text
+        assert "(does not include cached requests)" in text  # Triton's help texts, word for word
+    finally:
+        assert server.stop() == 0
 
 
 def test_allow_flags_turn_endpoints_off(tmp_path):
