@@ -58,7 +58,7 @@ _TYPED_KEYS = {
 }
 
 
-def _prefix(request: InferenceRequest) -> str:
+def request_prefix(request: InferenceRequest) -> str:
     return f"[request id: {request.id or '<id_unknown>'}] "
 
 
@@ -105,13 +105,13 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         name = tensor.name
         ts = spec.input(name)
         if ts is None:
-            raise invalid_arg(f"{_prefix(request)}unexpected inference input '{name}' for model '{spec.name}'")
+            raise invalid_arg(f"{request_prefix(request)}unexpected inference input '{name}' for model '{spec.name}'")
         if name in seen:
-            raise invalid_arg(f"{_prefix(request)}input '{name}' already exists in request")
+            raise invalid_arg(f"{request_prefix(request)}input '{name}' already exists in request")
         seen.add(name)
         if tensor.datatype != ts.datatype:
             raise invalid_arg(
-                f"{_prefix(request)}inference input '{name}' data-type is '{tensor.datatype}', "
+                f"{request_prefix(request)}inference input '{name}' data-type is '{tensor.datatype}', "
                 f"but model '{spec.name}' expects '{ts.datatype}'"
             )
         b = _check_shape(spec, plan.batching, ts, tensor, request)
@@ -119,14 +119,14 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
             batch = b
         elif b != batch:
             raise invalid_arg(
-                f"{_prefix(request)}input '{name}' batch size does not match other inputs for '{spec.name}'"
+                f"{request_prefix(request)}input '{name}' batch size does not match other inputs for '{spec.name}'"
             )
     if not seen.issuperset(plan.required):
         _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
     for source in plan.sources:
         if source not in seen:
             raise invalid_arg(
-                f"{_prefix(request)}input '{source}' is optional but model '{spec.name}' needs it to form "
+                f"{request_prefix(request)}input '{source}' is optional but model '{spec.name}' needs it to form "
                 "the batch (it is the source_input of a batch_input or batch_output)"
             )
     if request.outputs:
@@ -148,7 +148,7 @@ def _batch_sources(spec: ModelSpec) -> list[str]:
 def _raise_count(spec: ModelSpec, request: InferenceRequest, required: list[str], given: list[str]) -> None:
     missing = [n for n in required if n not in given]
     raise invalid_arg(
-        f"{_prefix(request)}expected {len(required)} inputs but got {len(given)} inputs for model "
+        f"{request_prefix(request)}expected {len(required)} inputs but got {len(given)} inputs for model "
         f"'{spec.name}'. Got input(s) {_names(given)}, but missing required input(s) {_names(missing)}. "
         "Please provide all required input(s)."
     )
@@ -162,7 +162,7 @@ def _check_shape(spec: ModelSpec, batching: bool, ts: TensorSpec, tensor: Tensor
     if batching:
         if shape and shape[0] > spec.max_batch_size:
             raise invalid_arg(
-                f"{_prefix(request)}inference request batch-size must be <= {spec.max_batch_size} "
+                f"{request_prefix(request)}inference request batch-size must be <= {spec.max_batch_size} "
                 f"for '{spec.name}'"
             )
         if len(shape) != len(dims) + 1 or shape[0] < 1:
@@ -184,7 +184,7 @@ def _check_shape(spec: ModelSpec, batching: bool, ts: TensorSpec, tensor: Tensor
 def _shape_error(spec: ModelSpec, ts: TensorSpec, tensor: Tensor, request: InferenceRequest,
                  expected: list[int], note: bool):
     return invalid_arg(
-        f"{_prefix(request)}unexpected shape for input '{ts.name}' for model '{spec.name}'. "
+        f"{request_prefix(request)}unexpected shape for input '{ts.name}' for model '{spec.name}'. "
         f"Expected {_fmt(expected)}, got {_fmt(tensor.shape)}.{_BATCH_NOTE if note else ''}"
     )
 

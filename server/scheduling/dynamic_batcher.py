@@ -26,6 +26,7 @@ from server.scheduling.batch import CompatKey, compat_key, merge, split
 from server.scheduling.instance_pool import InstancePool, JobResult
 from server.scheduling.ragged import BatchLayout
 from server.statistics import ModelStatistics
+from server.validation import request_prefix
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class DynamicBatcher(Scheduler):
         queue = self._queues[level - 1]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
             self._stats.record_request(False, 0, reason="REJECTED")
-            raise unavailable("Exceeds maximum queue size")
+            raise unavailable(request_prefix(item.request) + "Exceeds maximum queue size")
         future = asyncio.get_running_loop().create_future()
         key = compat_key(item.request, self._ragged)
         deadline = self._deadline(item, policy) if self._timeouts else None

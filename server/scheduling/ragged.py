@@ -26,6 +26,7 @@ import numpy as np
 
 from server.errors import PierError, internal, invalid_arg
 from server.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
+from server.validation import request_prefix
 
 _NUMPY = {"INT32": np.int32, "FP32": np.float32}
 
@@ -73,13 +74,9 @@ def _source_shapes(source: str, requests: Sequence[InferenceRequest]) -> list[tu
     for r in requests:
         tensor = next((t for t in r.inputs if t.name == source), None)
         if tensor is None:
-            raise invalid_arg(f"{_request_prefix(r)}input '{source}' is needed to form the batch but is missing")
+            raise invalid_arg(f"{request_prefix(r)}input '{source}' is needed to form the batch but is missing")
         shapes.append(tuple(tensor.data.shape))
     return shapes
-
-
-def _request_prefix(request: InferenceRequest) -> str:
-    return f"[request id: {request.id or '<id_unknown>'}] "
 
 
 def batch_input_value(spec: BatchInputSpec, requests: Sequence[InferenceRequest]) -> np.ndarray:
