@@ -217,7 +217,7 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
-        if db.priority_levels and not 0 <= db.default_priority_level <= db.priority_levels:
+        if db.priority_levels and not 1 <= db.default_priority_level <= db.priority_levels:  # as Triton
             raise fail(f"default_priority_level {db.default_priority_level} must be in 1..{db.priority_levels}")
         for level in db.priority_queue_policy:
             if not 1 <= level <= db.priority_levels:

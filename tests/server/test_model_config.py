@@ -70,6 +70,8 @@ def test_completion_fills_what_triton_fills():
     (GOOD.replace('platform: "onnxruntime_onnx"', 'backend: "pytorch"\nplatform: "onnxruntime_onnx"'),
      "platform 'onnxruntime_onnx' does not match backend 'pytorch'"),
     (GOOD.replace("max_queue_delay_microseconds: 100", "preferred_batch_size: [ 16 ]"), "preferred size 16"),
+    (GOOD.replace("max_queue_delay_microseconds: 100", "priority_levels: 3"),  # no default level: as Triton
+     "default_priority_level 0 must be in 1..3"),
     (GOOD.replace("dims: [ -1, 4 ] } ]\noutput", "dims: [ 4 ] reshape: { shape: [ 3 ] } } ]\noutput"),
      "changes the element count"),
 ])
