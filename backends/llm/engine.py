@@ -165,6 +165,8 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len="
                              f"{self.max_model_len}. Please request fewer output tokens.")
+        if params.n > self.config.max_num_seqs:  # all n sequences run at once, sharing the prompt
+            raise ValueError(f"n={params.n} cannot be greater than max_num_seqs={self.config.max_num_seqs}.")
         vocab = self.model_config.vocab_size
         outside = sorted({t for t, _ in params.logit_bias if t >= vocab})
         if outside:
@@ -249,12 +251,14 @@ class LLMEngine:
             seq.first_token_time = now
         seq.last_token_time = now
         p = seq.params
-        stop_str = seq.detok.add(tok)
         reason = None
-        if stop_str is not None:
-            reason, seq.stop_reason = "stop", stop_str
-        elif seq.num_output >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+        past_min = seq.num_output >= p.min_tokens
+        if past_min and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+            if p.include_stop_str_in_output:  # as vLLM: a stop token's text is left out by default
+                seq.detok.add(tok)
             reason, seq.stop_reason = "stop", tok
+        elif (stop_str := seq.detok.add(tok, check_stop=past_min)) is not None:
+            reason, seq.stop_reason = "stop", stop_str
         elif (p.max_tokens is not None and seq.num_output >= p.max_tokens) or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:

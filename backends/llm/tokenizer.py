@@ -40,6 +40,15 @@ class Tokenizer:
         self._compiled: Any = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        # tokenizer_config's bos/eos/unk/pad are special too (as transformers counts them), even when
+        # tokenizer.json lists them as plain vocabulary: skip_special_tokens leaves them out.
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            text = _token_text(cfg.get(key))
+            tid = self._tok.token_to_id(text) if text else None
+            if tid is not None:
+                self.special_ids.add(tid)
+        self._plain_specials = {i for i in self.special_ids
+                                if not (t := self._tok.get_added_tokens_decoder().get(i)) or not t.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -49,6 +58,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._plain_specials:
+            ids = [i for i in ids if i not in self._plain_specials]
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -124,8 +135,9 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.ids)
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string it completed, if any."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string it completed, if any (none while
+        `check_stop` is False: min_tokens not reached yet)."""
         self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
@@ -139,7 +151,7 @@ class IncrementalDetokenizer:
                 self.ids = self.ids[drop:]
                 self.prefix_offset -= drop
                 self.read_offset -= drop
-            if self.stop:
+            if self.stop and check_stop:
                 return self._find_stop(before)
         return None
 

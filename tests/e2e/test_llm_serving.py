@@ -230,6 +230,17 @@ def test_openai_chat(oai) -> None:
 def test_openai_errors(oai, server: PierProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="nope"):
         oai.completions.create(model="nope", prompt="x")
+    for messages, where in (([{"role": "user", "content": 5}], "messages[0].content"),
+                            ([{"role": "system", "content": "s"}, {"content": "x"}], "messages[1]"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                             "'image_url' part")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(where)):  # a 400, not a 500 (no SDK retries)
+            oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=100000 cannot be greater than max_num_seqs"):
+        oai.completions.create(model="tiny_llama", prompt="x", max_tokens=1, n=100000, temperature=1.0)
+    r = requests.post(f"{server.base()}/v1/completions", timeout=60,  # explicit null: the default 16, as vLLM
+                      json={"model": "tiny_llama", "prompt": "x", "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=-3)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):

@@ -94,7 +94,9 @@ class OpenAIHandlers:
         out = {k: doc[k] for k in _SAMPLING if doc.get(k) is not None}
         max_tokens = doc.get("max_completion_tokens") if chat else None
         if max_tokens is None:
-            max_tokens = doc.get("max_tokens", None if chat else 16)
+            max_tokens = doc.get("max_tokens")
+        if max_tokens is None and not chat:  # absent or null: the completions API's default, as vLLM
+            max_tokens = 16
         if max_tokens is not None:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
@@ -179,6 +181,7 @@ class OpenAIHandlers:
                 messages = doc.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise _BadRequest("messages must be a non-empty list.", "messages")
+                _check_messages(messages)
                 if doc.get("tools") and doc.get("tool_choice", "auto") != "none":
                     # vLLM without a tool parser answers the same way.
                     raise _BadRequest("tool calling is not supported by this server: send tool_choice \"none\" or "
@@ -335,6 +338,24 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, chat=True)
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """Each message: an object with a string role, and content that is a string, a list of text
+    parts, or (assistant turns only) null; else a 400 naming the message."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _BadRequest(f"messages[{i}] must be an object with a string 'role'.", "messages")
+        content = m.get("content")
+        if isinstance(content, str) or (content is None and m["role"] == "assistant"):
+            continue
+        if not isinstance(content, list):
+            raise _BadRequest(f"messages[{i}].content must be a string or a list of content parts.", "messages")
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _BadRequest(f"messages[{i}].content has a '{kind}' part: this model takes text parts only.",
+                                  "messages")
 
 
 async def _close(gens: list[AsyncGenerator[dict[str, Any], None]]) -> None:

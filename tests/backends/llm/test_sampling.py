@@ -137,3 +137,39 @@ def test_logit_bias(llama_dir, prompts):
     assert banned[0] != plain[0]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.add_request("oov", prompts[0], SamplingParams(logit_bias={10**6: 1}))
+
+
+def _collect(eng: LLMEngine, rid: str, prompt, params: SamplingParams) -> tuple[str, list]:
+    eng.add_request(rid, prompt, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return "".join(o.text for o in outs), outs
+
+
+def test_stop_token_text_left_out_unless_asked(llama_dir, prompts):
+    """As vLLM: the token that stops a sequence (a stop_token_id, or EOS) adds no text unless
+    include_stop_str_in_output; min_tokens also holds back stop strings."""
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    full, _ = _collect(eng, "f", prompts[1], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    greedy = eng.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0][0]
+    stop_tok = greedy[3]
+    cut = greedy.index(stop_tok)
+    stopping = {"max_tokens": 10, "temperature": 0, "stop_token_ids": [stop_tok]}
+    without, outs = _collect(eng, "a", prompts[1], SamplingParams(**stopping))
+    with_it, _ = _collect(eng, "b", prompts[1], SamplingParams(**stopping, include_stop_str_in_output=True))
+    assert outs[-1].completion_tokens == cut + 1 and outs[-1].stop_reason == stop_tok
+    assert with_it.startswith(without) and len(with_it) > len(without) and full.startswith(with_it)
+    first_char = full.lstrip()[:1]  # appears within the first token or two
+    quick, q_outs = _collect(eng, "c", prompts[1], SamplingParams(max_tokens=8, temperature=0, stop=[first_char]))
+    held, h_outs = _collect(eng, "d", prompts[1], SamplingParams(max_tokens=8, temperature=0, stop=[first_char],
+                                                                 min_tokens=5, ignore_eos=True))
+    assert q_outs[-1].finish_reason == "stop" and q_outs[-1].completion_tokens < 5
+    assert h_outs[-1].completion_tokens >= 5
+
+
+def test_n_is_bounded_by_max_num_seqs(llama_dir, prompts):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20, max_num_seqs=8))
+    with pytest.raises(ValueError, match="n=9 cannot be greater than max_num_seqs=8"):
+        eng.add_request("big", prompts[0], SamplingParams(max_tokens=1, n=9, temperature=1.0))
+    assert not eng.has_unfinished()

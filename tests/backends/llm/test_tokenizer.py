@@ -64,3 +64,22 @@ def test_chat_template(tok):
 def test_encode_adds_bos(tok):
     assert tok.encode("hi")[0] == 0
     assert tok.encode("hi", add_special_tokens=False)[0] != 0
+
+
+def test_config_special_tokens_are_skipped(tmp_path):
+    """eos/bos named in tokenizer_config.json are special even when tokenizer.json has them as
+    plain vocabulary (as transformers counts them): skip_special_tokens leaves them out."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "a": 3, "b": 4}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    t = Tokenizer(tmp_path)
+    assert t.decode([3, 1, 4]) == "a b"
+    assert t.decode([3, 1, 4], skip_special_tokens=False) == "a </s> b"
+    assert {0, 1} <= t.special_ids
