@@ -53,6 +53,7 @@ OUTPUTS = (
     ("num_output_tokens", "UINT32", (-1,)),
     ("sequence_index", "UINT32", (-1,)),
     ("logprobs", "BYTES", (-1,)),
+    ("stop_reason", "BYTES", (-1,)),
 )
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
@@ -107,6 +108,32 @@ def _text(value: Any, name: str) -> str:
         except UnicodeDecodeError:
             raise invalid_arg(f"input '{name}' is not valid UTF-8") from None
     return str(value)
+
+
+_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _render_chat(tokenizer: Any, doc: Any) -> str:
+    """chat_messages: a list of messages, or {"messages", "add_generation_prompt",
+    "continue_final_message", "chat_template_kwargs"} (the OpenAI frontend's template options).
+    continue_final_message renders without a generation prompt and ends the text right after the
+    last message's content, so the model continues it."""
+    options: dict[str, Any] = doc if isinstance(doc, dict) else {"messages": doc}
+    messages = options.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    add = bool(options.get("add_generation_prompt", True))
+    cont = bool(options.get("continue_final_message", False))
+    kwargs = options.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or _TEMPLATE_NAMES & kwargs.keys():
+        raise ValueError(f"chat_template_kwargs must be an object without {sorted(_TEMPLATE_NAMES)}")
+    if add and cont:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, **kwargs)
+    final = messages[-1].get("content") if isinstance(messages[-1], dict) else None
+    if cont and isinstance(final, str) and final and (at := text.rfind(final)) >= 0:
+        text = text[: at + len(final)]
+    return text
 
 
 class LLMInstance(ModelInstance):
@@ -182,9 +209,8 @@ class LLMInstance(ModelInstance):
             flags["exclude_input_in_output"] = True
         elif messages not in (None, b"", ""):
             try:
-                chat = json.loads(_text(messages, "chat_messages"))
-                text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-            except ValueError as exc:
+                text = _render_chat(self.tokenizer, json.loads(_text(messages, "chat_messages")))
+            except (ValueError, TypeError) as exc:
                 raise invalid_arg(f"chat_messages: {exc}") from None
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
             flags["exclude_input_in_output"] = True
@@ -262,6 +288,9 @@ class LLMInstance(ModelInstance):
         if flags["return_finish_reason"]:
             reason = (out.finish_reason or "") if finished else ""
             tensors.append(Tensor("finish_reason", "BYTES", [1], np.array([reason.encode()], dtype=object)))
+            if finished:  # the stop string or stop token id that ended it, JSON (null for length/abort)
+                stop = json.dumps(out.stop_reason if out.finish_reason == "stop" else None).encode()
+                tensors.append(Tensor("stop_reason", "BYTES", [1], np.array([stop], dtype=object)))
         if flags["return_num_input_tokens"]:
             tensors.append(Tensor("num_input_tokens", "UINT32", [1], np.array([out.prompt_tokens], np.uint32)))
         if flags["return_num_output_tokens"]:

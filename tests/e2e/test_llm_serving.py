@@ -130,7 +130,29 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
     c = oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0,
                                extra_body={"ignore_eos": True})
     assert c.choices[0].text == expected and c.choices[0].finish_reason == "length"
+    assert c.choices[0].model_extra["stop_reason"] is None
     assert c.usage.completion_tokens == 12 and c.usage.prompt_tokens > 0
+    # stop_reason names what stopped a sequence (vLLM's field): the stop string, or the stop token id.
+    stop = expected.strip()[:2]
+    s = oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True})
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].model_extra["stop_reason"] == stop
+    chat = oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=12, temperature=0, stop=[stop])
+    assert "stop_reason" in chat.choices[0].model_extra
+    # Chat template options (vLLM's extra fields): no generation prompt -> fewer prompt tokens and the
+    # answer keeps the last message's role; contradictory or unsupported options are 400s.
+    hi = [{"role": "user", "content": "hi"}]
+    plain = oai.chat.completions.create(model="tiny_llama", messages=hi, max_tokens=2, temperature=0)
+    bare = oai.chat.completions.create(model="tiny_llama", messages=hi, max_tokens=2, temperature=0,
+                                       extra_body={"add_generation_prompt": False})
+    assert bare.usage.prompt_tokens < plain.usage.prompt_tokens
+    assert bare.choices[0].message.role == "user" and plain.choices[0].message.role == "assistant"
+    for extra, field in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            oai.chat.completions.create(model="tiny_llama", messages=hi, max_tokens=2, extra_body=extra)
     assert c.usage.total_tokens == c.usage.prompt_tokens + 12
     chunks = list(oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=12, temperature=0,
                                          stream=True, stream_options={"include_usage": True},
@@ -150,6 +172,12 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
                                 extra_body={"ignore_eos": True})
     assert len(lp.choices[0].logprobs.token_logprobs) == 4
     assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
+    whole = lp.choices[0].logprobs
+    assert all(tok in top for tok, top in zip(whole.tokens, whole.top_logprobs))  # the chosen token too (vLLM)
+    streamed = [ch.choices[0].logprobs for ch in oai.completions.create(
+        model="tiny_llama", prompt="hello", max_tokens=4, temperature=0, logprobs=2, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs]
+    assert [o for part in streamed for o in part.text_offset] == whole.text_offset  # offsets run across chunks
     ids = oai.completions.create(model="tiny_llama", prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
@@ -238,6 +266,16 @@ def test_openai_errors(oai, server: PierProcess) -> None:
             oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n=100000 cannot be greater than max_num_seqs"):
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=1, n=100000, temperature=1.0)
+    for extra, field in (({"temperature": 3}, "temperature"), ({"logprobs": 21}, "logprobs"),
+                         ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            oai.completions.create(model="tiny_llama", prompt="x", max_tokens=2, **extra)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    top_logprobs=2)
+    assert oai.completions.create(model="tiny_llama", prompt="x", max_tokens=3.0,  # type: ignore[arg-type]
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 3
     r = requests.post(f"{server.base()}/v1/completions", timeout=60,  # explicit null: the default 16, as vLLM
                       json={"model": "tiny_llama", "prompt": "x", "max_tokens": None, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
@@ -304,6 +342,7 @@ def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
     assert _metric(server, "vllm:generation_tokens_total") - generated_before < 400  # it stopped early
     assert _aborted(server) == aborted_before + 1
     assert _metric(server, "vllm:time_to_first_token_seconds_count") >= 1
+    assert "Cannot write to closing transport" not in server.log()  # a client leaving is not an error
 
 
 def test_llm_metrics_are_exported(server: PierProcess) -> None:

@@ -236,6 +236,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(405, "Method Not Allowed")
     except web.HTTPException as exc:
         return error_response(exc.status, exc.reason)
+    except ConnectionResetError:  # the client left mid-answer (a stream): nothing to send, no bug to log
+        log.debug("client went away during %s %s", request.method, request.path)
+        return web.Response(status=499)  # never sent: aiohttp drops it on the closed transport
     except Exception as exc:  # never let a bug turn into a dropped connection
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

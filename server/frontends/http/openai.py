@@ -27,6 +27,7 @@ from server.types import InferenceRequest, InferenceResponse, RequestedOutput, T
 _SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
              "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
              "include_stop_str_in_output", "logit_bias")
+_MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
                  501: "NotImplementedError", 503: "ServiceUnavailableError"}
 _CODE_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNSUPPORTED: 400,
@@ -97,10 +98,22 @@ class OpenAIHandlers:
             max_tokens = doc.get("max_tokens")
         if max_tokens is None and not chat:  # absent or null: the completions API's default, as vLLM
             max_tokens = 16
+        if isinstance(max_tokens, float) and max_tokens.is_integer():
+            max_tokens = int(max_tokens)  # 3.0, as pydantic's lax int
         if max_tokens is not None:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+                raise _BadRequest(f"max_tokens must be an integer, got {max_tokens!r}.", "max_tokens")
+            if max_tokens < 1:
                 raise _BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            if isinstance(out.get("min_tokens"), int) and out["min_tokens"] > max_tokens:
+                raise _BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                                  f"{out['min_tokens']}.", "min_tokens")
         out["max_tokens"] = max_tokens
+        temperature = doc.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:
+            raise _BadRequest(f"temperature must be between 0 and 2, got {temperature}.", "temperature")
+        if doc.get("stream_options") is not None and not doc.get("stream"):
+            raise _BadRequest("stream_options can only be set when stream is true.", "stream_options")
         n = doc.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise _BadRequest(f"n must be at least 1, got {n}.", "n")
@@ -108,11 +121,19 @@ class OpenAIHandlers:
             raise _BadRequest("n must be 1 when using greedy sampling.", "n")
         logprobs: int | None = None
         if chat:
+            top = doc.get("top_logprobs")
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= _MAX_LOGPROBS):
+                raise _BadRequest(f"top_logprobs must be an integer in 0..{_MAX_LOGPROBS}, got {top!r}.",
+                                  "top_logprobs")
+            if top and not doc.get("logprobs"):
+                raise _BadRequest("top_logprobs needs logprobs set to true.", "top_logprobs")
             if doc.get("logprobs"):
-                logprobs = int(doc.get("top_logprobs") or 0)
+                logprobs = int(top or 0)
         elif doc.get("logprobs") is not None:
             if isinstance(doc["logprobs"], bool) or not isinstance(doc["logprobs"], int) or doc["logprobs"] < 0:
                 raise _BadRequest("logprobs must be a non-negative integer.", "logprobs")
+            if doc["logprobs"] > _MAX_LOGPROBS:
+                raise _BadRequest(f"logprobs must be at most {_MAX_LOGPROBS}, got {doc['logprobs']}.", "logprobs")
             logprobs = doc["logprobs"]
         if logprobs is not None:
             out["logprobs"] = logprobs
@@ -131,13 +152,15 @@ class OpenAIHandlers:
         if isinstance(prompt, list):
             ids = np.array(prompt, dtype=np.int64)
             inputs.append(Tensor("input_ids", "INT64", [len(prompt)], ids))
-        outputs = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "sequence_index"]
+        outputs = ["text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "sequence_index",
+                   "stop_reason"]
         if logprobs:
             outputs.append("logprobs")
         return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
 
     async def _deltas(self, request: InferenceRequest) -> AsyncGenerator[dict[str, Any], None]:
-        """Per-sequence deltas: {index, text, finish_reason, prompt_tokens, completion_tokens, logprobs}."""
+        """Per-sequence deltas: {index, text, finish_reason, stop_reason, prompt_tokens, completion_tokens,
+        logprobs}."""
         stream = self.plane.infer_stream(request)
         try:
             async for item in stream:
@@ -146,8 +169,10 @@ class OpenAIHandlers:
                 if not item.outputs:
                     continue
                 lp = _first(item, "logprobs")
+                stop = _first(item, "stop_reason")
                 yield {"index": int(_first(item, "sequence_index") or 0), "text": _first(item, "text_output") or "",
                        "finish_reason": _first(item, "finish_reason") or None,
+                       "stop_reason": json.loads(stop) if stop else None,
                        "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
                        "completion_tokens": int(_first(item, "num_output_tokens") or 0),
                        "logprobs": json.loads(lp) if lp else None}
@@ -168,6 +193,7 @@ class OpenAIHandlers:
 
     async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
+        role = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
         echo: list[str] = []  # completions `echo`: each prompt's text, put before its choices' text
         try:
             doc = await self._body(request)
@@ -186,7 +212,8 @@ class OpenAIHandlers:
                     # vLLM without a tool parser answers the same way.
                     raise _BadRequest("tool calling is not supported by this server: send tool_choice \"none\" or "
                                       "no tools.", "tool_choice")
-                infers = [self._request(model, "", messages, sampling, logprobs is not None)]
+                chat_payload, role = _chat_payload(doc, messages)
+                infers = [self._request(model, "", chat_payload, sampling, logprobs is not None)]
             else:
                 if doc.get("suffix"):
                     raise _BadRequest("suffix is not supported by this server.", "suffix")
@@ -223,14 +250,16 @@ class OpenAIHandlers:
             options = doc.get("stream_options") or {}
             usage = bool(isinstance(options, dict) and options.get("include_usage"))
             return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
-                                      usage, usage and bool(options.get("continuous_usage_stats")), echoed)
-        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens, echoed)
+                                      usage, usage and bool(options.get("continuous_usage_stats")), echoed, role)
+        return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens, echoed,
+                                 role)
 
     async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
                      created: int, model: str, chat: bool, n: int, prompt_tokens: int,
-                     echo: list[str]) -> web.Response:
+                     echo: list[str], role: str) -> web.Response:
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
+        stops: dict[int, str | int | None] = {}
         completion: dict[int, int] = {}
         lps: dict[int, list[dict[str, Any]]] = {}
         item: dict[str, Any] | None = first
@@ -242,6 +271,7 @@ class OpenAIHandlers:
                     lps.setdefault(i, []).append(item["logprobs"])
                 if item["finish_reason"]:
                     finish[i] = item["finish_reason"]
+                    stops[i] = item["stop_reason"]
                 completion[i] = item["completion_tokens"]
                 item = await anext(deltas, None)
         except PierError as exc:
@@ -253,11 +283,12 @@ class OpenAIHandlers:
             text = (echo[i] if echo else "") + "".join(texts.get(i, []))
             logprobs = _logprobs(lps.get(i, []), chat)
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": finish.get(i, "stop")})
+                choices.append({"index": i, "message": {"role": role, "content": text},
+                                "logprobs": logprobs, "finish_reason": finish.get(i, "stop"),
+                                "stop_reason": stops.get(i)})
             else:
                 choices.append({"index": i, "text": text, "logprobs": logprobs,
-                                "finish_reason": finish.get(i, "stop"), "stop_reason": None})
+                                "finish_reason": finish.get(i, "stop"), "stop_reason": stops.get(i)})
         total = sum(completion.values())
         doc = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                "model": model, "choices": choices,
@@ -267,7 +298,7 @@ class OpenAIHandlers:
 
     async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
                       ident: str, created: int, model: str, chat: bool, prompt_tokens: int,
-                      include_usage: bool, continuous_usage: bool, echo: list[str]) -> web.StreamResponse:
+                      include_usage: bool, continuous_usage: bool, echo: list[str], role: str) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
@@ -291,26 +322,30 @@ class OpenAIHandlers:
             return doc
 
         started: set[int] = set()
+        offset: dict[int, int] = {}  # completions logprobs: characters of each choice's text so far
         item: dict[str, Any] | None = first
         try:
             while item is not None:
                 i = item["index"]
                 completion[i] = item["completion_tokens"]
-                logprobs = _logprobs([item["logprobs"]] if item["logprobs"] else [], chat)
+                logprobs = _logprobs([item["logprobs"]] if item["logprobs"] else [], chat, offset.get(i, 0))
+                if logprobs and not chat:  # text_offset runs on across chunks
+                    offset[i] = offset.get(i, 0) + sum(len(t) for t in logprobs["tokens"])
                 if chat:
                     if i not in started:
                         started.add(i)
-                        await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                        await send(chunk([{"index": i, "delta": {"role": role, "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
                     delta = {"content": item["text"]} if item["text"] else {}
-                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"]}
+                    choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"],
+                              "stop_reason": item["stop_reason"]}
                 else:
                     if echo and i not in started:  # the prompt goes out first, as its own chunk
                         started.add(i)
                         await send(chunk([{"index": i, "text": echo[i], "logprobs": None, "finish_reason": None,
                                            "stop_reason": None}]))
                     choice = {"index": i, "text": item["text"], "logprobs": logprobs,
-                              "finish_reason": item["finish_reason"], "stop_reason": None}
+                              "finish_reason": item["finish_reason"], "stop_reason": item["stop_reason"]}
                 if item["text"] or item["finish_reason"] or logprobs:
                     await send(chunk([choice]))
                 item = await anext(deltas, None)
@@ -338,6 +373,31 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, chat=True)
+
+
+def _chat_payload(doc: dict[str, Any], messages: list[Any]) -> tuple[Any, str]:
+    """What the LLM backend's chat_messages input carries: the messages, or, when the request sets
+    template options (add_generation_prompt, continue_final_message, chat_template_kwargs), an
+    object with them; and the answer's role (as vLLM: the last message's without a generation prompt)."""
+    if doc.get("chat_template") is not None:
+        raise _BadRequest("a chat_template in the request is not supported: the model's template is used.",
+                          "chat_template")
+    add = doc.get("add_generation_prompt", True)
+    cont = doc.get("continue_final_message", False)
+    kwargs = doc.get("chat_template_kwargs")
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if not isinstance(value, bool):
+            raise _BadRequest(f"{name} must be a boolean.", name)
+    if add and cont:
+        raise _BadRequest("continue_final_message and add_generation_prompt cannot both be true.",
+                          "continue_final_message")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _BadRequest("chat_template_kwargs must be an object.", "chat_template_kwargs")
+    role = "assistant" if add else str(messages[-1]["role"])
+    if add and not cont and not kwargs:
+        return messages, role
+    return {"messages": messages, "add_generation_prompt": add, "continue_final_message": cont,
+            "chat_template_kwargs": kwargs or {}}, role
 
 
 def _check_messages(messages: list[Any]) -> None:
@@ -407,8 +467,9 @@ async def _merge(streams: list[tuple[dict[str, Any], AsyncGenerator[dict[str, An
         await _close([gen for _, gen in streams])
 
 
-def _logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:
-    """The backend's per-delta {"tokens": [...], "logprobs": [[lp, {tok: lp}], ...]} in OpenAI's shapes."""
+def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[str, Any] | None:
+    """The backend's per-delta {"tokens": [...], "logprobs": [[lp, {tok: lp}], ...]} in OpenAI's shapes
+    (completions: text offsets from `start`; each top_logprobs holds the chosen token too, as vLLM's)."""
     if not parts:
         return None
     tokens = [t for p in parts for t in p["tokens"]]
@@ -418,12 +479,14 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
                                               for t, v in (top or {}).items()]}
                             for tok, (lp, top) in zip(tokens, entries)]}
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [top or {} for _, top in entries], "text_offset": offsets}
+            "top_logprobs": [{**(top or {}), tok: lp} if tok not in (top or {}) else top
+                             for tok, (lp, top) in zip(tokens, entries)],
+            "text_offset": offsets}
 
 
 def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> None:

@@ -83,3 +83,19 @@ def test_config_special_tokens_are_skipped(tmp_path):
     assert t.decode([3, 1, 4]) == "a b"
     assert t.decode([3, 1, 4], skip_special_tokens=False) == "a </s> b"
     assert {0, 1} <= t.special_ids
+
+
+def test_chat_template_options(tok):
+    """The OpenAI frontend's template options: no generation prompt, continuing the final message,
+    extra template variables; contradictory or reserved ones are errors."""
+    from backends.llm.backend import _render_chat
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    assert _render_chat(tok, msgs[:1]) == "<s><|user|>hi</s><|assistant|>"  # a plain list: as before
+    assert _render_chat(tok, {"messages": msgs[:1], "add_generation_prompt": False}) == "<s><|user|>hi</s>"
+    cont = _render_chat(tok, {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert cont == "<s><|user|>hi</s><|assistant|>Once upon"  # no end-of-turn after the final message
+    with pytest.raises(ValueError, match="cannot both be true"):
+        _render_chat(tok, {"messages": msgs, "continue_final_message": True})
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        _render_chat(tok, {"messages": msgs, "chat_template_kwargs": {"messages": []}})
