@@ -172,4 +172,6 @@ def test_n_is_bounded_by_max_num_seqs(llama_dir, prompts):
     eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20, max_num_seqs=8))
     with pytest.raises(ValueError, match="n=9 cannot be greater than max_num_seqs=8"):
         eng.add_request("big", prompts[0], SamplingParams(max_tokens=1, n=9, temperature=1.0))
+    with pytest.raises(ValueError, match="greater than max allowed: 20"):  # a topk past the vocab would fail a step
+        eng.add_request("lp", prompts[0], SamplingParams(max_tokens=1, logprobs=10**6))
     assert not eng.has_unfinished()
