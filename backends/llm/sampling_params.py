@@ -78,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:  # torch's generator seeds
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
