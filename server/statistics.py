@@ -37,7 +37,10 @@ class BatchStats:
 HISTOGRAM_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 _BUCKET_NS = tuple(int(b * 1_000_000) for b in HISTOGRAM_BUCKETS_MS)
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
-RECENT_REQUESTS = 8192
+RECENT_REQUESTS = 4096
+# Whether requests are kept in `recent` at all: only the summary metrics read it (the server turns
+# this on for --metrics-config summary_latencies=true), so by default nothing is kept.
+KEEP_RECENT = [False]
 _STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
            "cache_hit", "cache_miss")
 
@@ -90,7 +93,8 @@ class ModelStatistics:
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
-        self.recent.append((time.monotonic(), total_ns, queue_ns, input_ns, infer_ns, output_ns))
+        if KEEP_RECENT[0]:
+            self.recent.append((time.monotonic(), total_ns, queue_ns, input_ns, infer_ns, output_ns))
 
     def as_dict(self, name: str, version: str) -> dict[str, Any]:
         return {

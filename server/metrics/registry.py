@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import prometheus_client
 
+from server import statistics
 from server.lifecycle.loaded_model import LoadedModel
 from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS
 
@@ -147,6 +148,7 @@ class MetricsRenderer:
                  traffic: Callable[[str], dict[int, float]] | None = None, cpu_metrics: bool = True) -> None:
         self._models = models
         self._cpu_metrics = cpu_metrics
+        statistics.KEEP_RECENT[0] = config.summary_latencies
         self._traffic = traffic
         self._config = config
         self._system = SystemUsage()
