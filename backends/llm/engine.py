@@ -22,6 +22,7 @@ from .request import Sequence as Seq
 from .sampler import SampleResult, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
@@ -59,6 +60,9 @@ class RequestOutput:
     logprobs: list[tuple[float, dict[int, float] | None]] | None = None
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
+    # prompt_logprobs, once (with the first output): (token id, logprob, alternatives) per prompt
+    # token, the first one (None, None)
+    prompt_logprobs: list[tuple[int, float | None, dict[int, float] | None]] | None = None
 
 
 @dataclass
@@ -215,7 +219,27 @@ class LLMEngine:
             return []
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_blocks - self.kv.pool.num_free)
         seq_ids, logits = self.runner.execute(so)
+        if self.runner.prompt_logprobs:
+            self._prompt_logprobs(so)
         return self._update(seq_ids, logits)
+
+    def _prompt_logprobs(self, so: SchedulerOutput) -> None:
+        """Keep each prompt position's logprob (and top alternatives) from this step's rows."""
+        starts = {s.seq_id: s.start_pos for s in so.scheduled}
+        for sid, lp in self.runner.prompt_logprobs.items():
+            rid, index = sid.rsplit("#", 1)
+            seq = self._requests[rid][int(index)]
+            k = seq.params.prompt_logprobs or 0
+            for r in range(lp.shape[0]):
+                pos = starts[sid] + r + 1  # the prompt position this row predicts
+                if pos != len(seq.prompt_lp) + 1 or pos >= seq.num_prompt:  # already kept, or past the prompt
+                    continue
+                tok = seq.prompt_ids[pos]
+                top = None
+                if k:
+                    vals, idx = lp[r].topk(k)
+                    top = dict(zip(idx.tolist(), vals.tolist()))
+                seq.prompt_lp.append((tok, float(lp[r, tok]), top))
 
     def _update(self, seq_ids: list[str], logits: torch.Tensor | None) -> list[RequestOutput]:
         if logits is None:
@@ -232,6 +256,7 @@ class LLMEngine:
                 child = self._new_seq(rid, len(self._requests[rid]), seq.prompt_ids, seq.params, seq.arrival_time)
                 child.first_scheduled_time = seq.first_scheduled_time
                 self.kv.fork(seq.seq_id, child.seq_id)  # share every prompt block (copy-on-write later)
+                child.prompt_lp, child.prompt_lp_sent = seq.prompt_lp, True  # sent once, by the parent
                 child.num_computed = seq.num_computed
                 self._requests[rid].append(child)
                 children.append(child)
@@ -277,6 +302,10 @@ class LLMEngine:
         if finished and seq.finish_reason != "abort":
             seq.detok.flush()
         text = seq.detok.take(finished)
+        prompt_lp = None
+        if seq.params.prompt_logprobs is not None and not seq.prompt_lp_sent and not seq.wants_prompt_logprobs:
+            prompt_lp = [(seq.prompt_ids[0], None, None), *seq.prompt_lp]
+            seq.prompt_lp_sent = True
         m = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                            seq.last_token_time, seq.finished_time)
         return RequestOutput(
@@ -284,6 +313,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None, prompt_tokens=seq.num_prompt,
             completion_tokens=seq.num_output, cumulative_text=seq.detok.text[: seq.detok.emitted],
             logprobs=logprobs, stop_reason=seq.stop_reason if finished else None, metrics=m,
+            prompt_logprobs=prompt_lp,
         )
 
     # -- introspection --------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Do the block moves, run the forward; return (seq ids that sample, their logits [M, V])."""
+        self.prompt_logprobs: dict[str, torch.Tensor] = {}
         self._move_blocks(so)
         if not so.scheduled:
             return [], None
@@ -61,8 +62,11 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        lp_rows: list[tuple[str, int, int]] = []  # (seq id, first row, rows) that want prompt logprobs
         bs = self.block_size
         for s in decodes:
+            if s.prompt_logprobs:  # a one-token prompt chunk
+                lp_rows.append((s.seq_id, len(ids), 1))
             ids.append(s.token_ids[0])
             positions.append(s.start_pos)
             slots.append(s.block_table[s.start_pos // bs] * bs + s.start_pos % bs)
@@ -79,6 +83,8 @@ class ModelRunner:
         for s in prefills:
             n = len(s.token_ids)
             start = len(ids)
+            if s.prompt_logprobs:
+                lp_rows.append((s.seq_id, start, n))
             ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + n)
             positions.extend(pos)
@@ -98,6 +104,9 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
         )
+        # prompt logprobs: each row's log-softmax (row r predicts the token at position start_pos + r + 1)
+        self.prompt_logprobs = {sid: torch.log_softmax(self.model.logits(hidden[a : a + n]), dim=-1)
+                                for sid, a, n in lp_rows}
         if not sample_rows:
             return [], None
         if len(sample_rows) < hidden.shape[0]:

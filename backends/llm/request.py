@@ -39,6 +39,10 @@ class Sequence:
     output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
     detok: Any = None  # tokenizer.IncrementalDetokenizer
     num_preemptions: int = 0
+    # prompt_logprobs: (token id, logprob, alternatives) for prompt positions 1.. computed so far;
+    # position 0 has none. Sent once, with the first output.
+    prompt_lp: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
+    prompt_lp_sent: bool = False
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -60,6 +64,12 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """prompt_logprobs asked for and not all computed yet (those positions must be computed,
+        not taken from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_lp) < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens"}
+_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens", "prompt_logprobs"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
 
@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprob of each prompt token (+ this many alternatives)
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -78,6 +79,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:  # torch's generator seeds
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -128,7 +128,8 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached, keys = self.kv.computed_prefix(seq.seq_id, seq.token_ids)
+            cached, keys = ([], []) if seq.wants_prompt_logprobs else self.kv.computed_prefix(seq.seq_id,
+                                                                                               seq.token_ids)
             num_cached = len(cached) * bs
             num_new = min(len(seq.token_ids) - num_cached, budget)
             copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, cached, keys)
@@ -153,6 +154,7 @@ class Scheduler:
                 start_pos=start,
                 block_table=list(self.kv.block_table(seq.seq_id)),
                 sample=start + num_new == len(seq.token_ids),
+                prompt_logprobs=seq.wants_prompt_logprobs and start < seq.num_prompt,
             )
         )
         seq.num_computed = start + num_new

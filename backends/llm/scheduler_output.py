@@ -17,6 +17,7 @@ class ScheduledSeq:
     start_pos: int  # tokens of this sequence already in the KV cache
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    prompt_logprobs: bool = False  # return the log-softmax of every row of this chunk
 
 
 @dataclass

@@ -144,3 +144,33 @@ def test_cuda_matches_transformers_on_cuda(llama_dir, prompts):
     assert [o[0] for o in eng.generate(prompts, GREEDY)] == ref
     assert eng.stats().num_preemptions > 0
     assert_drained(eng)
+
+
+def test_prompt_logprobs_match_transformers(llama_dir, prompts):
+    """prompt_logprobs (what echo + logprobs needs): every prompt token's logprob equals
+    transformers' log-softmax at the previous position, with chunked prefill splitting prompts,
+    and again for a repeated prompt whose blocks are in the prefix cache (they are recomputed)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    eng = engine(llama_dir, max_num_batched_tokens=24)  # the 40- and 64-token prompts run in chunks
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    for _ in range(2):  # the second pass finds every prompt's blocks cached
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"p{i}", prompt, params)
+        got: dict[str, list] = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.prompt_logprobs is not None:
+                    assert out.request_id not in got  # sent once
+                    got[out.request_id] = out.prompt_logprobs
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+            entries = got[f"p{i}"]
+            assert [t for t, _, _ in entries] == prompt and entries[0][1:] == (None, None)
+            want = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+            assert [lp for _, lp, _ in entries[1:]] == pytest.approx(want, abs=1e-4)
+            for p, (_, _, top) in enumerate(entries[1:], start=1):
+                assert len(top) == 2 and max(top.values()) == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
+    assert_drained(eng)
