@@ -27,6 +27,7 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_STOP_STRINGS = 256
 
 
 @dataclass
@@ -179,6 +180,11 @@ class LLMEngine:
         outside = sorted({t for t, _ in params.logit_bias if t >= vocab})
         if outside:
             raise ValueError(f"logit_bias has token ids outside the vocabulary (size {vocab}): {outside[:10]}")
+        outside = sorted({t for t in params.stop_token_ids if not 0 <= t < vocab})
+        if outside:
+            raise ValueError(f"stop_token_ids has token ids outside the vocabulary (size {vocab}): {outside[:10]}")
+        if len(params.stop) > MAX_STOP_STRINGS:  # each is searched for after every token, on the engine thread
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
         ids = self.encode_prompt(prompt)
         seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1

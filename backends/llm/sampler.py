@@ -30,7 +30,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want_lp:
         logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _apply_penalties(logits, seqs, eos_ids)
+    processed = _apply_penalties(logits, seqs, eos_ids)
+    if processed is not logits:
+        # One request's extreme penalties or masks must not fail the step (and with it every request
+        # in flight): a row left with no finite logit samples from its raw logits instead.
+        poisoned = (torch.isnan(processed) | (processed == float("inf"))).any(dim=-1)
+        bad = poisoned | ~torch.isfinite(processed).any(dim=-1)
+        if bool(bad.any()):
+            processed[bad] = logits[bad]
+    logits = processed
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     if len(greedy) == len(seqs):

@@ -175,3 +175,34 @@ def test_n_is_bounded_by_max_num_seqs(llama_dir, prompts):
     with pytest.raises(ValueError, match="greater than max allowed: 20"):  # a topk past the vocab would fail a step
         eng.add_request("lp", prompts[0], SamplingParams(max_tokens=1, logprobs=10**6))
     assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+])
+def test_non_finite_values_are_refused(body, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams.from_json(body)
+
+
+def test_one_requests_extreme_values_do_not_fail_the_others(llama_dir, prompts):
+    """Values that pass validation but leave a row with no usable logit (every token masked by
+    min_tokens + stop_token_ids, a penalty that overflows) sample from the raw logits: the step,
+    and every other request in it, goes on."""
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    vocab = eng.model_config.vocab_size
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.add_request("x", prompts[0], SamplingParams(max_tokens=3, stop_token_ids=[vocab]))
+    with pytest.raises(ValueError, match="stop strings"):
+        eng.add_request("y", prompts[0], SamplingParams(max_tokens=3, stop=[f"s{i}" for i in range(257)]))
+    eng.add_request("masked", prompts[0], SamplingParams(max_tokens=3, temperature=1.0, min_tokens=3,
+                                                         stop_token_ids=list(range(vocab))))
+    eng.add_request("overflow", prompts[1], SamplingParams(max_tokens=3, temperature=1.0, repetition_penalty=1e-45))
+    eng.add_request("normal", prompts[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.completion_tokens
+    assert done == {"masked": 3, "overflow": 3, "normal": 3}
