@@ -42,6 +42,23 @@ def test_gzip_and_deflate_request_bodies(pier):
         assert r.json()["outputs"][0]["data"] == [1.0, 2.0, 3.0]
 
 
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_gzip_bomb_is_refused_without_inflating_it(pier):
+    """A small gzip body that inflates to 512 MiB: a 413 at --http-max-input-size (64 MiB), and the
+    server's peak memory grows by far less than the inflated size; it keeps serving."""
+    bomb = gzip.compress(b"\0" * (512 << 20), compresslevel=9)
+    before = _peak_rss_kib(pier.proc.pid)
+    for path in ("/v2/models/identity_fp32/infer", "/v1/completions", "/v2/repository/index"):
+        r = requests.post(f"{pier.base()}{path}", data=bomb, headers={"Content-Encoding": "gzip"}, timeout=60)
+        assert r.status_code == 413 and "decoded request body exceeds" in r.text, (path, r.status_code, r.text[:200])
+    assert _peak_rss_kib(pier.proc.pid) - before < 256 << 10  # KiB: well under the 512 MiB inflated body
+    assert requests.get(f"{pier.base()}/v2/health/ready", timeout=5).status_code == 200
+
+
 def test_compressed_response_when_accepted(pier):
     body = {"inputs": [{"name": "INPUT0", "shape": [1, 400], "datatype": "FP32", "data": [0.0] * 400}]}
     r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", json=body,

@@ -70,7 +70,7 @@ class HttpHandlers:
         return _json({"model_stats": self.plane.statistics(name, _version(request))})
 
     async def _body(self, request: web.Request, what: str) -> dict:
-        body = await request.read()
+        body = await codec.read_body(request, self.max_json_size, json_only=True)
         codec.check_json_size(len(body), self.max_json_size)
         if not body.strip():
             return {}
@@ -189,7 +189,7 @@ class HttpHandlers:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
     async def infer(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await codec.read_body(request, self.max_json_size, json_only=codec.HEADER_LENGTH not in request.headers)
         model, version = request.match_info["model"], _version(request)
         json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
         codec.check_json_size(len(body) if json_length is None else json_length, self.max_json_size)

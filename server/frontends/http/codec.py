@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+from aiohttp import web
 
 from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg, unsupported
@@ -46,6 +47,26 @@ def decode_base64(value: Any, what: str) -> bytes:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise invalid_arg(f"{what} is not valid base64: {exc}") from None
+
+
+async def read_body(request: web.Request, limit: int, json_only: bool) -> bytes:
+    """The request body. A compressed body is inflated only up to `limit` (--http-max-input-size):
+    a 2 MB gzip body can expand to gigabytes. A body that is all JSON is refused before it is read
+    when its declared length is already past the limit."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        if json_only and request.content_length is not None:
+            check_json_size(request.content_length, limit)
+        return await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise PierError(ErrorCode.TOO_LARGE, f"the {encoding}-decoded request body exceeds {limit} bytes. "
+                            "Use --http-max-input-size to increase the limit.")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def check_json_size(json_length: int, limit: int) -> None:

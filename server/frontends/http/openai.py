@@ -80,8 +80,8 @@ class OpenAIHandlers:
         return name
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
         try:
+            raw = await codec.read_body(request, self.max_json_size, json_only=True)
             codec.check_json_size(len(raw), self.max_json_size)
             doc = codec.parse_json(raw)
         except PierError as exc:
