@@ -190,6 +190,8 @@ class LLMInstance(ModelInstance):
         if raw not in (None, b"", ""):
             try:
                 sampling_doc = json.loads(_text(raw, "sampling_parameters"))
+            except RecursionError:
+                raise invalid_arg("sampling_parameters: the JSON is nested too deeply") from None
             except ValueError as exc:
                 raise invalid_arg(f"sampling_parameters is not valid JSON: {exc}") from None
             if not isinstance(sampling_doc, dict):
@@ -210,6 +212,8 @@ class LLMInstance(ModelInstance):
         elif messages not in (None, b"", ""):
             try:
                 text = _render_chat(self.tokenizer, json.loads(_text(messages, "chat_messages")))
+            except RecursionError:
+                raise invalid_arg("chat_messages: the JSON is nested too deeply") from None
             except (ValueError, TypeError) as exc:
                 raise invalid_arg(f"chat_messages: {exc}") from None
             prompt = self.tokenizer.encode(text, add_special_tokens=False)

@@ -85,6 +85,11 @@ def test_generate_errors(server: PierProcess) -> None:
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/infer", timeout=30,
                       json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
     assert r.status_code == 501 and "decoupled transaction policy" in r.json()["error"]  # as Triton
+    deep = "[" * 100_000 + "]" * 100_000
+    for field in ("chat_messages", "sampling_parameters"):  # nested too deeply for json: a 400, not a 500
+        r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
+                          json={"text_input": "x", field: deep})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"], r.text[:300]
     # Streaming deltas cannot be one /generate answer: a 400, as Triton's "exactly 1 response" rule.
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
                       json={"text_input": "x", "stream": True, "sampling_parameters": GREEDY})
@@ -114,8 +119,19 @@ def test_grpc_stream_with_tritonclient(server: PierProcess) -> None:
         pieces.append(result.as_numpy("text_output")[0].decode())
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
+    # A request the model refuses on validation (wrong input shape) is an in-band error naming the
+    # problem, not an "internal error", and the stream carries on.
+    bad = grpcclient.InferInput("text_input", [2], "BYTES")
+    bad.set_data_from_numpy(np.array([b"a", b"b"], dtype=object))
+    client.async_stream_infer("tiny_llama", [bad], request_id="bad")
+    result, error = answers.get(timeout=60)
+    assert error is not None and "internal error" not in str(error) and "shape" in str(error), error
+    client.async_stream_infer("tiny_llama", inputs, request_id="s2")
+    result, error = answers.get(timeout=60)
+    assert error is None and result.get_response().id == "s2"
     client.stop_stream()
     assert len(pieces) > 1 and "".join(pieces) == expected
+    assert "stream request failed" not in server.log()
 
 
 @pytest.fixture()

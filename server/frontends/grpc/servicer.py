@@ -174,6 +174,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     resp = codec.encode_response(item)
                     resp.parameters["triton_final_response"].bool_param = final
                     out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
+            except PierError as exc:  # the request was refused (validation) before it produced anything
+                out.put_nowait(error(req, exc))
             except Exception as exc:  # never lose the stream over one request
                 log.exception("stream request failed")
                 out.put_nowait(error(req, PierError(ErrorCode.INTERNAL, f"internal error: {exc}")))
