@@ -212,6 +212,7 @@ class LLMInstance(ModelInstance):
         elif messages not in (None, b"", ""):
             try:
                 text = _render_chat(self.tokenizer, json.loads(_text(messages, "chat_messages")))
+                self.engine.engine.check_text_length(text)
             except RecursionError:
                 raise invalid_arg("chat_messages: the JSON is nested too deeply") from None
             except (ValueError, TypeError) as exc:

@@ -28,6 +28,7 @@ from .tokenizer import IncrementalDetokenizer, Tokenizer
 _DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_STOP_STRINGS = 256
+CHARS_PER_TOKEN_BOUND = 64
 
 
 @dataclass
@@ -145,8 +146,25 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def check_text_length(self, text: str) -> None:
+        """Refuse, before tokenizing, text far too long for the context: the tokenizer holds the GIL
+        (a 20 MB prompt stalled every request for 30 s). The bound allows 64 characters a token."""
+        if len(text) > self.max_model_len * CHARS_PER_TOKEN_BOUND:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"is {len(text)} characters long, more than that many tokens can hold "
+                f"({CHARS_PER_TOKEN_BOUND} characters a token)."
+            )
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids for a prompt (text is tokenized with special tokens). Raises ValueError."""
+        if isinstance(prompt, str):
+            self.check_text_length(prompt)
+        elif len(prompt) >= self.max_model_len:  # before converting a huge list
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains at least {len(prompt)} input tokens, leaving no room for output."
+            )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")

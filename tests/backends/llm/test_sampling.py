@@ -206,3 +206,19 @@ def test_one_requests_extreme_values_do_not_fail_the_others(llama_dir, prompts):
             if out.finished:
                 done[out.request_id] = out.completion_tokens
     assert done == {"masked": 3, "overflow": 3, "normal": 3}
+
+
+def test_text_far_past_the_context_is_refused_before_tokenizing(llama_dir):
+    """The tokenizer holds the GIL: text that cannot fit max_model_len tokens at 64 characters a
+    token is refused without tokenizing it (instantly), as is a token-id list past the context."""
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the tokenizer was called")
+
+    encode, eng.tokenizer.encode = eng.tokenizer.encode, never
+    with pytest.raises(ValueError, match="characters long"):
+        eng.add_request("huge", "ab " * (eng.max_model_len * 64), SamplingParams(max_tokens=1))
+    eng.tokenizer.encode = encode
+    with pytest.raises(ValueError, match="maximum context length"):
+        eng.add_request("ids", list(range(eng.max_model_len + 5)), SamplingParams(max_tokens=1))
