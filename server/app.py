@@ -74,7 +74,9 @@ class PierServer:
             log.info("Started Metrics Service at %s:%d", s.metrics_address, s.metrics_port)
 
     async def _serve_http(self, app: web.Application, address: str, port: int) -> None:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its request (queued, or running
+        # in the LLM engine), as gRPC does; load/unload run to completion regardless (control_plane).
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, address, port, reuse_address=True).start()
         self._runners.append(runner)

@@ -5,12 +5,25 @@ RepositoryManager. Takes and returns plain Python values only."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 from server.errors import invalid_arg, unavailable
 from server.repository.manager import LoadOverride, RepositoryManager
 
 FILE_PREFIX = "file:"
+
+
+async def _to_the_end(operation: Coroutine[Any, Any, None]) -> None:
+    """Run a load/unload to completion even when the caller is cancelled (a client that disconnects
+    or times out): stopping one half-way would leave the repository in between states."""
+    task = asyncio.ensure_future(operation)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody waits: mark it seen
+        raise
 
 
 class ControlPlane:
@@ -52,7 +65,7 @@ class ControlPlane:
                                       "'file:<version>/<name>'")
             if not override.config_json and not override.files:
                 override = None
-        await self._manager.load(name, override)
+        await _to_the_end(self._manager.load(name, override))
 
     async def unload(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         self._require(("explicit",))
@@ -64,15 +77,15 @@ class ControlPlane:
             if not isinstance(value, bool):
                 raise invalid_arg("unload parameter 'unload_dependents' must be a boolean")
             dependents = value
-        await self._manager.unload(name, unload_dependents=dependents)
+        await _to_the_end(self._manager.unload(name, unload_dependents=dependents))
 
     async def load_version(self, name: str, version: str) -> None:
         self._require(("explicit", "poll"))
-        await self._manager.load_version(_check_name(name), _version(version))
+        await _to_the_end(self._manager.load_version(_check_name(name), _version(version)))
 
     async def unload_version(self, name: str, version: str) -> None:
         self._require(("explicit", "poll"))
-        await self._manager.unload_version(_check_name(name), _version(version))
+        await _to_the_end(self._manager.unload_version(_check_name(name), _version(version)))
 
     def rollout(self, name: str, weights: dict[str, Any] | None = None, version: str | None = None) -> dict[str, Any]:
         """All traffic to `version`, or split by `weights` ({version: weight}); {} = newest READY."""

@@ -361,6 +361,23 @@ def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
     assert "Cannot write to closing transport" not in server.log()  # a client leaving is not an error
 
 
+def test_disconnect_cancels_a_non_streaming_request(server: PierProcess) -> None:
+    """A client that gives up on a whole (non-streamed) answer cancels the request too."""
+    aborted_before = _aborted(server)
+    generated_before = _metric(server, "vllm:generation_tokens_total")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{server.base()}/v1/completions", timeout=(5, 0.3),
+                      json={"model": "tiny_llama", "prompt": "a long story", "max_tokens": 400, "n": 32,
+                            "temperature": 1.0, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (_aborted(server) < aborted_before + 1
+                                           or _metric(server, "vllm:num_requests_running") > 0):
+        time.sleep(0.1)
+    assert _aborted(server) == aborted_before + 1
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:generation_tokens_total") - generated_before < 32 * 400  # it stopped early
+
+
 def test_llm_metrics_are_exported(server: PierProcess) -> None:
     text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     for name in ("vllm:num_requests_waiting", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
