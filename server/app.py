@@ -144,12 +144,31 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+class _ClientMistakes(logging.Filter):
+    """aiohttp logs every malformed request (bad Content-Length, broken chunking or gzip) as an
+    ERROR with a traceback: any client could flood the log. The client got its 400; keep these
+    as one DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError, ConnectionResetError)):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            text = f"{record.getMessage()}: {exc!r}"  # args=() below: no further %-formatting
+            record.msg, record.args, record.exc_info, record.exc_text = text, (), None, None
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def run(settings: Settings) -> int:
     logging.basicConfig(
         level=logging.DEBUG if settings.log_verbose > 0 else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("aiohttp.server").addFilter(_ClientMistakes())
     try:
         import uvloop
 

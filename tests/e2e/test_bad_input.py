@@ -237,3 +237,18 @@ def test_binary_tensor_data_is_not_bounded_by_the_json_limit(small_pier):
     assert r.status_code == 200, r.text[:200]
     n = int(r.headers["Inference-Header-Content-Length"])
     np.testing.assert_array_equal(np.frombuffer(r.content[n:], dtype=np.float32), x.reshape(-1))
+
+
+def test_malformed_http_is_a_400_and_one_quiet_line(small_pier):
+    """A request aiohttp cannot parse gets its 400 without an ERROR traceback in the log (any client
+    could flood it); the server keeps serving."""
+    import socket
+
+    for raw in (b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+                b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        with socket.create_connection(("127.0.0.1", small_pier.http_port), timeout=10) as sock:
+            sock.sendall(raw)
+            assert sock.recv(4096).split(b" ")[1] == b"400"
+    _assert_simple_still_works(small_pier)
+    log = small_pier.log()
+    assert "Traceback" not in log and "Error handling request" not in log, log[-2000:]

@@ -68,7 +68,7 @@ def test_generate_and_generate_stream_agree(server: PierProcess) -> None:
     with_prompt = generate(server, {"text_input": prompt, "parameters": GREEDY})  # sampling as parameters
     assert with_prompt["text_output"] == prompt + whole["text_output"]
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", timeout=60, stream=True,
-                      json={"text_input": prompt, "stream": True, "sampling_parameters": GREEDY})
+                      json={"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(GREEDY)})
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
     events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
     assert len(events) > 1
@@ -77,7 +77,7 @@ def test_generate_and_generate_stream_agree(server: PierProcess) -> None:
 
 def test_generate_errors(server: PierProcess) -> None:
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
-                      json={"text_input": "x", "sampling_parameters": {"max_tokens": -3}})
+                      json={"text_input": "x", "sampling_parameters": json.dumps({"max_tokens": -3})})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", timeout=30,
                       json={"text_input": "x", "sampling_parameters": "{not json"})
@@ -92,9 +92,14 @@ def test_generate_errors(server: PierProcess) -> None:
         assert r.status_code == 400 and "nested too deeply" in r.json()["error"], r.text[:300]
     # Streaming deltas cannot be one /generate answer: a 400, as Triton's "exactly 1 response" rule.
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", timeout=30,
-                      json={"text_input": "x", "stream": True, "sampling_parameters": GREEDY})
+                      json={"text_input": "x", "stream": True, "sampling_parameters": json.dumps(GREEDY)})
     assert r.status_code == 400 and "exactly 1 response" in r.json()["error"] and "generate_stream" in r.text
-    assert generate(server, {"text_input": "x", "sampling_parameters": GREEDY})["text_output"]
+    assert generate(server, {"text_input": "x", "sampling_parameters": json.dumps(GREEDY)})["text_output"]
+    for body, word in (({"text_input": {"a": 1}}, "non-string"), ({"text_input": None}, "non-string"),
+                       ({"text_input": "x", "sampling_parameters": GREEDY}, "non-string"),  # as Triton: strings only
+                       ({"text_input": "x", "input_ids": [1.5]}, "expected integers")):
+        r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate", json=body, timeout=30)
+        assert r.status_code == 400 and word in r.json()["error"], (body, r.text)
 
 
 def test_grpc_stream_with_tritonclient(server: PierProcess) -> None:

@@ -6,7 +6,6 @@ output (single-element arrays unwrapped, BYTES as text); the stream is server-se
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -21,16 +20,20 @@ def _tensor(name: str, datatype: str, value: Any, batching: bool) -> Tensor:
     values = value if isinstance(value, list) else [value]
     try:
         if datatype == "BYTES":
-            items = [v if isinstance(v, str) else json.dumps(v) for v in values]
-            data = np.array([s.encode("utf-8") for s in items], dtype=object)
+            if not all(isinstance(v, str) for v in values):  # Triton's words for an object, number or null
+                raise ValueError("attempt to access JSON non-string as string")
+            data = np.array([s.encode("utf-8") for s in values], dtype=object)
         elif datatype == "BOOL":
             if not all(isinstance(v, bool) for v in values):
                 raise ValueError("expected true or false")
             data = np.array(values, dtype=bool)
         else:
-            if any(isinstance(v, (bool, str, dict, list)) for v in values):
+            if any(isinstance(v, (bool, str, dict, list)) or v is None for v in values):
                 raise ValueError("expected numbers")
-            data = np.array(values, dtype=numpy_dtype(datatype))
+            dtype = numpy_dtype(datatype)
+            if dtype.kind in "iu" and any(isinstance(v, float) and not v.is_integer() for v in values):
+                raise ValueError("expected integers")  # not silently truncated
+            data = np.array(values, dtype=dtype)
     except (ValueError, OverflowError) as exc:
         raise invalid_arg(f"generate: input '{name}' ({datatype}): {exc}") from None
     if batching:
