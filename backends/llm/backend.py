@@ -54,6 +54,7 @@ OUTPUTS = (
     ("sequence_index", "UINT32", (-1,)),
     ("logprobs", "BYTES", (-1,)),
     ("stop_reason", "BYTES", (-1,)),
+    ("prompt_logprobs", "BYTES", (-1,)),
 )
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
@@ -301,6 +302,15 @@ class LLMInstance(ModelInstance):
         if flags["return_num_output_tokens"]:
             tensors.append(Tensor("num_output_tokens", "UINT32", [1], np.array([out.completion_tokens], np.uint32)))
         tensors.append(Tensor("sequence_index", "UINT32", [1], np.array([out.index], np.uint32)))
+        if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
+            entries = out.prompt_logprobs
+            payload = json.dumps({
+                "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t, _, _ in entries],
+                "logprobs": [None if lp is None else
+                             [lp, {self.tokenizer.decode([t], skip_special_tokens=False): v
+                                   for t, v in (top or {}).items()}] for _, lp, top in entries],
+            }).encode()
+            tensors.append(Tensor("prompt_logprobs", "BYTES", [1], np.array([payload], dtype=object)))
         if flags["return_logprobs"]:
             doc = [[lp, {self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in (top or {}).items()}]
                    for lp, top in (lps or [])]

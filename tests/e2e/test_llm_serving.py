@@ -199,6 +199,20 @@ def test_openai_models_and_completions(oai, server: PierProcess) -> None:
         model="tiny_llama", prompt="hello", max_tokens=4, temperature=0, logprobs=2, stream=True,
         extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs]
     assert [o for part in streamed for o in part.text_offset] == whole.text_offset  # offsets run across chunks
+    # echo + logprobs (lm-eval's loglikelihood pattern): the prompt's tokens come first, the very
+    # first without a logprob, as vLLM answers; streamed, the prompt chunk carries them.
+    ev = oai.completions.create(model="tiny_llama", prompt="hello pier", max_tokens=2, temperature=0, logprobs=1,
+                                echo=True, extra_body={"ignore_eos": True})
+    elp = ev.choices[0].logprobs
+    assert ev.choices[0].text.startswith("hello pier")
+    assert len(elp.tokens) == ev.usage.prompt_tokens + 2 == len(elp.token_logprobs) == len(elp.text_offset)
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v <= 0 for v in elp.token_logprobs[1:]) and elp.text_offset == sorted(elp.text_offset)
+    parts = [ch.choices[0].logprobs for ch in oai.completions.create(
+        model="tiny_llama", prompt="hello pier", max_tokens=2, temperature=0, logprobs=1, echo=True, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices and ch.choices[0].logprobs]
+    assert [t for part in parts for t in part.tokens] == elp.tokens
+    assert [o for part in parts for o in part.text_offset] == elp.text_offset
     ids = oai.completions.create(model="tiny_llama", prompt=[5, 6, 7, 8, 9], max_tokens=4, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4

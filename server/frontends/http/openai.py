@@ -156,6 +156,8 @@ class OpenAIHandlers:
                    "stop_reason"]
         if logprobs:
             outputs.append("logprobs")
+        if "prompt_logprobs" in sampling:
+            outputs.append("prompt_logprobs")
         return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
 
     async def _deltas(self, request: InferenceRequest) -> AsyncGenerator[dict[str, Any], None]:
@@ -169,13 +171,15 @@ class OpenAIHandlers:
                 if not item.outputs:
                     continue
                 lp = _first(item, "logprobs")
+                plp = _first(item, "prompt_logprobs")
                 stop = _first(item, "stop_reason")
                 yield {"index": int(_first(item, "sequence_index") or 0), "text": _first(item, "text_output") or "",
                        "finish_reason": _first(item, "finish_reason") or None,
                        "stop_reason": json.loads(stop) if stop else None,
                        "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
                        "completion_tokens": int(_first(item, "num_output_tokens") or 0),
-                       "logprobs": json.loads(lp) if lp else None}
+                       "logprobs": json.loads(lp) if lp else None,
+                       "prompt_logprobs": json.loads(plp) if plp else None}
         finally:
             await stream.aclose()
 
@@ -219,8 +223,8 @@ class OpenAIHandlers:
                     raise _BadRequest("suffix is not supported by this server.", "suffix")
                 prompts = self._prompts(doc.get("prompt"))
                 if doc.get("echo"):
-                    if logprobs is not None:
-                        raise _BadRequest("echo with logprobs (prompt logprobs) is not supported.", "echo")
+                    if logprobs is not None:  # the prompt's tokens get logprobs too (the lm-eval pattern)
+                        sampling["prompt_logprobs"] = logprobs
                     if not all(isinstance(p, str) for p in prompts):
                         raise _BadRequest("echo is supported for text prompts only.", "echo")
                     echo = [str(p) for p in prompts]
@@ -267,6 +271,8 @@ class OpenAIHandlers:
             while item is not None:
                 i = item["index"]
                 texts.setdefault(i, []).append(item["text"])
+                if item["prompt_logprobs"]:  # echo + logprobs: the prompt's entries come first
+                    lps.setdefault(i, []).insert(0, item["prompt_logprobs"])
                 if item["logprobs"]:
                     lps.setdefault(i, []).append(item["logprobs"])
                 if item["finish_reason"]:
@@ -328,6 +334,13 @@ class OpenAIHandlers:
             while item is not None:
                 i = item["index"]
                 completion[i] = item["completion_tokens"]
+                if echo and i not in started:  # the prompt goes out first, as its own chunk
+                    started.add(i)
+                    prompt_lp = _logprobs([item["prompt_logprobs"]] if item["prompt_logprobs"] else [], False)
+                    if prompt_lp:
+                        offset[i] = sum(len(t) for t in prompt_lp["tokens"])
+                    await send(chunk([{"index": i, "text": echo[i], "logprobs": prompt_lp, "finish_reason": None,
+                                       "stop_reason": None}]))
                 logprobs = _logprobs([item["logprobs"]] if item["logprobs"] else [], chat, offset.get(i, 0))
                 if logprobs and not chat:  # text_offset runs on across chunks
                     offset[i] = offset.get(i, 0) + sum(len(t) for t in logprobs["tokens"])
@@ -340,10 +353,6 @@ class OpenAIHandlers:
                     choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"],
                               "stop_reason": item["stop_reason"]}
                 else:
-                    if echo and i not in started:  # the prompt goes out first, as its own chunk
-                        started.add(i)
-                        await send(chunk([{"index": i, "text": echo[i], "logprobs": None, "finish_reason": None,
-                                           "stop_reason": None}]))
                     choice = {"index": i, "text": item["text"], "logprobs": logprobs,
                               "finish_reason": item["finish_reason"], "stop_reason": item["stop_reason"]}
                 if item["text"] or item["finish_reason"] or logprobs:
@@ -473,7 +482,7 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
     if not parts:
         return None
     tokens = [t for p in parts for t in p["tokens"]]
-    entries = [e for p in parts for e in p["logprobs"]]
+    entries = [e or (None, None) for p in parts for e in p["logprobs"]]  # None: a prompt's first token
     if chat:
         return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
@@ -484,7 +493,7 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
         offsets.append(pos)
         pos += len(tok)
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{**(top or {}), tok: lp} if tok not in (top or {}) else top
+            "top_logprobs": [None if lp is None else {**(top or {}), tok: lp} if tok not in (top or {}) else top
                              for tok, (lp, top) in zip(tokens, entries)],
             "text_offset": offsets}
 
