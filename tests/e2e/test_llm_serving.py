@@ -303,7 +303,8 @@ def test_openai_errors(oai, server: PierProcess) -> None:
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=1, n=100000, temperature=1.0)
     for extra, field in (({"temperature": 3}, "temperature"), ({"logprobs": 21}, "logprobs"),
                          ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
-                         ({"stream_options": {"include_usage": True}}, "stream_options")):
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"stream": True, "stream_options": "yes"}, "stream_options")):
         with pytest.raises(openai.BadRequestError, match=field):
             oai.completions.create(model="tiny_llama", prompt="x", max_tokens=2, **extra)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):

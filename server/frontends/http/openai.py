@@ -112,8 +112,11 @@ class OpenAIHandlers:
         temperature = doc.get("temperature")
         if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:
             raise _BadRequest(f"temperature must be between 0 and 2, got {temperature}.", "temperature")
-        if doc.get("stream_options") is not None and not doc.get("stream"):
-            raise _BadRequest("stream_options can only be set when stream is true.", "stream_options")
+        if doc.get("stream_options") is not None:
+            if not doc.get("stream"):
+                raise _BadRequest("stream_options can only be set when stream is true.", "stream_options")
+            if not isinstance(doc["stream_options"], dict):
+                raise _BadRequest("stream_options must be an object.", "stream_options")
         n = doc.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise _BadRequest(f"n must be at least 1, got {n}.", "n")
