@@ -189,9 +189,9 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} cannot be greater than max_model_len="
                              f"{self.max_model_len}. Please request fewer output tokens.")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:  # a topk past the vocabulary fails a step
-            raise ValueError(f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: "
-                             f"{MAX_LOGPROBS}")
+        for kind, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is not None and k > MAX_LOGPROBS:  # a topk past the vocabulary would fail a step
+                raise ValueError(f"Requested {kind} logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}")
         if params.n > self.config.max_num_seqs:  # all n sequences run at once, sharing the prompt
             raise ValueError(f"n={params.n} cannot be greater than max_num_seqs={self.config.max_num_seqs}.")
         vocab = self.model_config.vocab_size

@@ -174,6 +174,8 @@ def test_n_is_bounded_by_max_num_seqs(llama_dir, prompts):
         eng.add_request("big", prompts[0], SamplingParams(max_tokens=1, n=9, temperature=1.0))
     with pytest.raises(ValueError, match="greater than max allowed: 20"):  # a topk past the vocab would fail a step
         eng.add_request("lp", prompts[0], SamplingParams(max_tokens=1, logprobs=10**6))
+    with pytest.raises(ValueError, match="prompt logprobs of 1000000, which is greater than max allowed: 20"):
+        eng.add_request("plp", prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=10**6))
     assert not eng.has_unfinished()
 
 
