@@ -235,6 +235,7 @@ class LLMInstance(ModelInstance):
         prefix = "" if stream or flags["exclude_input_in_output"] or not isinstance(prompt, str) else prompt
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[Any]] = {}
+        pending_prompt_lp: dict[int, Any] = {}  # prompt logprobs not yet sent (their output carried no text)
         remaining = sampling.n
         started = time.monotonic()
         last_token_at: dict[int, float] = {}
@@ -255,8 +256,14 @@ class LLMInstance(ModelInstance):
                 if out.finished:
                     remaining -= 1
                 final = remaining <= 0
+                # prompt logprobs come with a sequence's first output: keep them for its first response
+                if out.prompt_logprobs is not None:
+                    pending_prompt_lp[out.index] = out.prompt_logprobs
+                emits = out.finished or (stream and bool(out.text or (flags["return_logprobs"] and out.logprobs)))
+                if emits and out.index in pending_prompt_lp:
+                    out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
                 if stream:
-                    if out.text or out.finished or (flags["return_logprobs"] and out.logprobs):
+                    if emits:
                         sink(self._tensors(out.text, out, flags, out.logprobs, out.finished), final)
                 else:
                     texts.setdefault(out.index, []).append(out.text)
@@ -305,6 +312,7 @@ class LLMInstance(ModelInstance):
         if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
             entries = out.prompt_logprobs
             payload = json.dumps({
+                "text": self.tokenizer.decode([t for t, _, _ in entries]),  # the prompt, for echo
                 "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t, _, _ in entries],
                 "logprobs": [None if lp is None else
                              [lp, {self.tokenizer.decode([t], skip_special_tokens=False): v

@@ -261,8 +261,20 @@ def test_openai_completions_batch_of_prompts(oai, server: PierProcess) -> None:
     chunks = list(oai.completions.create(model="tiny_llama", prompt="a b c", max_tokens=6, temperature=0, echo=True,
                                          stream=True, extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].text == "a b c" and "".join(c.choices[0].text for c in chunks) == echoed.choices[1].text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        oai.completions.create(model="tiny_llama", prompt=[5, 6], max_tokens=2, echo=True)
+    # A token-id prompt's echo is the model's decoding of it, with or without logprobs, for each choice.
+    text_prompt = oai.completions.create(model="tiny_llama", prompt="a b c", max_tokens=3, temperature=0,
+                                         logprobs=0, echo=True, extra_body={"ignore_eos": True})
+    ids = oai.completions.create(model="tiny_llama", prompt=[[5, 6, 7]], max_tokens=3, temperature=1.0, n=2, seed=3,
+                                 echo=True, extra_body={"ignore_eos": True})
+    ids_lp = oai.completions.create(model="tiny_llama", prompt=[5, 6, 7], max_tokens=3, temperature=0, logprobs=0,
+                                    echo=True, extra_body={"ignore_eos": True})
+    prompt_text = "".join(ids_lp.choices[0].logprobs.tokens[:3])
+    assert ids_lp.choices[0].text.startswith(prompt_text) and ids_lp.choices[0].logprobs.token_logprobs[0] is None
+    assert all(ch.text.startswith(prompt_text) and ch.logprobs is None for ch in ids.choices)
+    assert len(ids.choices) == 2 and text_prompt.choices[0].text.startswith("a b c")
+    streamed_ids = list(oai.completions.create(model="tiny_llama", prompt=[5, 6, 7], max_tokens=3, temperature=0,
+                                               echo=True, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed_ids[0].choices[0].text == prompt_text
     aborted = _aborted(server)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):  # one bad prompt fails the call
         oai.completions.create(model="tiny_llama", prompt=["hello", "word " * 600], max_tokens=200,

@@ -163,7 +163,8 @@ class OpenAIHandlers:
             outputs.append("prompt_logprobs")
         return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
 
-    async def _deltas(self, request: InferenceRequest) -> AsyncGenerator[dict[str, Any], None]:
+    async def _deltas(self, request: InferenceRequest,
+                      keep_prompt_logprobs: bool = True) -> AsyncGenerator[dict[str, Any], None]:
         """Per-sequence deltas: {index, text, finish_reason, stop_reason, prompt_tokens, completion_tokens,
         logprobs}."""
         stream = self.plane.infer_stream(request)
@@ -182,7 +183,7 @@ class OpenAIHandlers:
                        "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
                        "completion_tokens": int(_first(item, "num_output_tokens") or 0),
                        "logprobs": json.loads(lp) if lp else None,
-                       "prompt_logprobs": json.loads(plp) if plp else None}
+                       "prompt_logprobs": _prompt_part(plp, keep_prompt_logprobs)}
         finally:
             await stream.aclose()
 
@@ -201,7 +202,7 @@ class OpenAIHandlers:
     async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
         role = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
-        echo: list[str] = []  # completions `echo`: each prompt's text, put before its choices' text
+        echo: list[str | None] = []  # completions `echo`: each prompt's text (None: a token-id prompt, from the model)
         try:
             doc = await self._body(request)
             model = self._check_model(doc.get("model"))
@@ -226,13 +227,13 @@ class OpenAIHandlers:
                     raise _BadRequest("suffix is not supported by this server.", "suffix")
                 prompts = self._prompts(doc.get("prompt"))
                 if doc.get("echo"):
-                    if logprobs is not None:  # the prompt's tokens get logprobs too (the lm-eval pattern)
-                        sampling["prompt_logprobs"] = logprobs
-                    if not all(isinstance(p, str) for p in prompts):
-                        raise _BadRequest("echo is supported for text prompts only.", "echo")
-                    echo = [str(p) for p in prompts]
+                    # The prompt's tokens get logprobs too (lm-eval's loglikelihood pattern); a token-id
+                    # prompt's text comes back with them (the backend decodes it).
+                    if logprobs is not None or not all(isinstance(p, str) for p in prompts):
+                        sampling["prompt_logprobs"] = logprobs or 0
+                    echo = [p if isinstance(p, str) else None for p in prompts]
                 infers = [self._request(model, p, None, sampling, logprobs is not None) for p in prompts]
-            gens = [self._deltas(infer) for infer in infers]
+            gens = [self._deltas(infer, keep_prompt_logprobs=logprobs is not None) for infer in infers]
             # Every prompt's first answer before anything is sent: a bad request is a plain 4xx.
             firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
             for f in firsts:
@@ -252,18 +253,19 @@ class OpenAIHandlers:
         first = await anext(deltas)
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + infers[0].id
-        echoed = [echo[k // n] for k in range(n * len(echo))]  # per choice: its prompt's text
+        echoed = [echo[k // n] for k in range(n * len(echo))]  # per choice: its prompt's text (None: from the model)
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
             usage = bool(isinstance(options, dict) and options.get("include_usage"))
             return await self._stream(request, deltas, first, ident, created, model, chat, prompt_tokens,
-                                      usage, usage and bool(options.get("continuous_usage_stats")), echoed, role)
+                                      usage, usage and bool(options.get("continuous_usage_stats")), echoed, role,
+                                      n)
         return await self._whole(deltas, first, ident, created, model, chat, n * len(gens), prompt_tokens, echoed,
-                                 role)
+                                 role, n)
 
     async def _whole(self, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any], ident: str,
                      created: int, model: str, chat: bool, n: int, prompt_tokens: int,
-                     echo: list[str], role: str) -> web.Response:
+                     echo: list[str | None], role: str, per_prompt: int) -> web.Response:
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
         stops: dict[int, str | int | None] = {}
@@ -274,8 +276,10 @@ class OpenAIHandlers:
             while item is not None:
                 i = item["index"]
                 texts.setdefault(i, []).append(item["text"])
-                if item["prompt_logprobs"]:  # echo + logprobs: the prompt's entries come first
-                    lps.setdefault(i, []).insert(0, item["prompt_logprobs"])
+                if item["prompt_logprobs"]:  # echo: the prompt's text and (with logprobs) entries come first
+                    _fill_echo(echo, i, per_prompt, item["prompt_logprobs"])
+                    if "logprobs" in item["prompt_logprobs"]:
+                        lps.setdefault(i, []).insert(0, item["prompt_logprobs"])
                 if item["logprobs"]:
                     lps.setdefault(i, []).append(item["logprobs"])
                 if item["finish_reason"]:
@@ -289,7 +293,7 @@ class OpenAIHandlers:
             await deltas.aclose()
         choices = []
         for i in range(n):
-            text = (echo[i] if echo else "") + "".join(texts.get(i, []))
+            text = ((echo[i] or "") if echo else "") + "".join(texts.get(i, []))
             logprobs = _logprobs(lps.get(i, []), chat)
             if chat:
                 choices.append({"index": i, "message": {"role": role, "content": text},
@@ -307,7 +311,8 @@ class OpenAIHandlers:
 
     async def _stream(self, request: web.Request, deltas: AsyncGenerator[dict[str, Any], None], first: dict[str, Any],
                       ident: str, created: int, model: str, chat: bool, prompt_tokens: int,
-                      include_usage: bool, continuous_usage: bool, echo: list[str], role: str) -> web.StreamResponse:
+                      include_usage: bool, continuous_usage: bool, echo: list[str | None], role: str,
+                      per_prompt: int) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
@@ -339,11 +344,14 @@ class OpenAIHandlers:
                 completion[i] = item["completion_tokens"]
                 if echo and i not in started:  # the prompt goes out first, as its own chunk
                     started.add(i)
-                    prompt_lp = _logprobs([item["prompt_logprobs"]] if item["prompt_logprobs"] else [], False)
+                    part = item["prompt_logprobs"]
+                    if part:
+                        _fill_echo(echo, i, per_prompt, part)
+                    prompt_lp = _logprobs([part] if part and "logprobs" in part else [], False)
                     if prompt_lp:
                         offset[i] = sum(len(t) for t in prompt_lp["tokens"])
-                    await send(chunk([{"index": i, "text": echo[i], "logprobs": prompt_lp, "finish_reason": None,
-                                       "stop_reason": None}]))
+                    await send(chunk([{"index": i, "text": echo[i] or "", "logprobs": prompt_lp,
+                                       "finish_reason": None, "stop_reason": None}]))
                 logprobs = _logprobs([item["logprobs"]] if item["logprobs"] else [], chat, offset.get(i, 0))
                 if logprobs and not chat:  # text_offset runs on across chunks
                     offset[i] = offset.get(i, 0) + sum(len(t) for t in logprobs["tokens"])
@@ -410,6 +418,23 @@ def _chat_payload(doc: dict[str, Any], messages: list[Any]) -> tuple[Any, str]:
         return messages, role
     return {"messages": messages, "add_generation_prompt": add, "continue_final_message": cont,
             "chat_template_kwargs": kwargs or {}}, role
+
+
+def _prompt_part(payload: Any, keep_logprobs: bool) -> dict[str, Any] | None:
+    """The backend's prompt_logprobs output: {"text", "tokens", "logprobs"}; only the prompt's text
+    when the request did not ask for logprobs (echo of a token-id prompt)."""
+    if not payload:
+        return None
+    doc = json.loads(payload)
+    return doc if keep_logprobs else {"text": doc.get("text", "")}
+
+
+def _fill_echo(echo: list[str | None], i: int, per_prompt: int, part: dict[str, Any]) -> None:
+    """A token-id prompt's echo text, from the model's decoding of it, for every choice of that prompt."""
+    first = i - i % per_prompt
+    for j in range(first, min(first + per_prompt, len(echo))):
+        if echo[j] is None:
+            echo[j] = part.get("text", "")
 
 
 def _check_messages(messages: list[Any]) -> None:
