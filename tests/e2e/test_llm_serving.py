@@ -336,7 +336,7 @@ def test_openai_errors(oai, server: PierProcess) -> None:
         oai.completions.create(model="tiny_llama", prompt="x", max_tokens=10**9)
     # /v1/models reports the same context limit the engine enforces (vLLM's model card field).
     limit = int(re.search(r"max_model_len=(\d+)", str(too_long.value)).group(1))
-    cards = requests.get(f"{server.base()}/v1/models", timeout=10).json()["data"]
+    cards = requests.get(f"{server.base()}/v1/models/", timeout=10).json()["data"]  # trailing slash too
     assert [(c["id"], c["max_model_len"]) for c in cards] == [("tiny_llama", limit)]
     with pytest.raises(openai.BadRequestError, match="response_format"):
         oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,

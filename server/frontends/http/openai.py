@@ -528,6 +528,7 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
 
 def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> None:
     h = OpenAIHandlers(plane, max_json_size)
-    app.router.add_get("/v1/models", h.models)
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_post("/v1/chat/completions", h.chat_completions)
+    for slash in ("", "/"):  # with a trailing slash too, as vLLM's server answers
+        app.router.add_get("/v1/models" + slash, h.models)
+        app.router.add_post("/v1/completions" + slash, h.completions)
+        app.router.add_post("/v1/chat/completions" + slash, h.chat_completions)
