@@ -62,7 +62,7 @@ class PierServer:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s", address)
         if s.allow_metrics:
-            renderer = MetricsRenderer(self.manager.loaded_models, MetricsConfig.parse(s.metrics_config),
+            renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
                                        self.manager.traffic, s.allow_cpu_metrics)
 
             async def metrics(request: web.Request) -> web.Response:

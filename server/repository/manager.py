@@ -348,6 +348,11 @@ class RepositoryManager:
     def loaded_models(self) -> list[LoadedModel]:
         return [vr.loaded for r in self._models.values() for vr in r.versions.values() if vr.loaded]
 
+    def metered_models(self) -> list[LoadedModel]:
+        """What the metrics report: the loaded versions, and those still draining their in-flight
+        requests while they unload (as Triton keeps their series until the unload ends)."""
+        return [m for r in self._models.values() for vr in r.versions.values() if (m := vr.loaded or vr.draining)]
+
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Repository index rows: one per model version known, name only for never-loaded ones."""
         rows: list[dict[str, str]] = []

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -281,3 +282,36 @@ def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http) 
                                                       "input_data_file": "missing.bin"}}))
     assert np.allclose(add_infer(http, "other")[1], X + 10)  # the failed reloads left it serving
     http.load_model("other")
+
+
+SLOW_CONFIG = """name: "slowm"
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1, 256 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1, 256 ] } ]
+"""
+
+
+def test_metrics_keep_a_draining_version_until_it_unloads(server: PierProcess, http, repo: Path) -> None:
+    """While a version unloads it still finishes its in-flight requests, and the metrics still show
+    it (as Triton's do), so the request it finishes is counted; after the unload its series go."""
+    from tests.model_builders import slow_model
+
+    write_model(repo, "slowm", SLOW_CONFIG, slow_model(400))
+    http.load_model("slowm")
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    line = 'nv_inference_request_success{model="slowm",version="1"}'
+    inp = httpclient.InferInput("X", [1, 256], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 256), np.float32))
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        running = pool.submit(lambda: httpclient.InferenceServerClient(server.http_url).infer("slowm", [inp]))
+        time.sleep(0.3)  # it runs for seconds: unload while it is in flight
+        http.unload_model("slowm")
+        during = requests.get(metrics, timeout=5).text
+        assert index(server)[("slowm", "1")][0] == "UNLOADING"
+        running.result(timeout=60)
+    assert time.monotonic() - started > 0.5  # it really was in flight
+    assert line in during, "the draining version vanished from the metrics"
+    wait_for(lambda: index(server).get(("slowm", "1")) == ("UNAVAILABLE", "unloaded"), what="slowm unloaded")
+    assert line not in requests.get(metrics, timeout=5).text
