@@ -40,7 +40,8 @@ class PierServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.manager = RepositoryManager(
-            list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count
+            list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count,
+            keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies,
         )
         self.plane = DataPlane(self.manager, settings.strict_readiness)
         self.control = ControlPlane(self.manager, settings.model_control_mode)

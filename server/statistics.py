@@ -38,9 +38,6 @@ HISTOGRAM_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 _BUCKET_NS = tuple(int(b * 1_000_000) for b in HISTOGRAM_BUCKETS_MS)
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 RECENT_REQUESTS = 4096
-# Whether requests are kept in `recent` at all: only the summary metrics read it (the server turns
-# this on for --metrics-config summary_latencies=true), so by default nothing is kept.
-KEEP_RECENT = [False]
 _STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
            "cache_hit", "cache_miss")
 
@@ -64,9 +61,13 @@ class ModelStatistics:
     # successful request latencies per histogram bucket (last slot: above the largest bound)
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_BUCKETS_MS) + 1))
     # recent successful requests (monotonic s, total, queue, input, infer, output ns): the window
-    # the summary metrics' quantiles are computed over (bounded: a scrape sorts at most this many)
-    recent: deque[tuple[float, int, int, int, int, int]] = field(
-        default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    # the summary metrics' quantiles are computed over; None (nothing kept) unless they are on
+    recent: deque[tuple[float, int, int, int, int, int]] | None = None
+
+    @classmethod
+    def create(cls, keep_recent: bool) -> ModelStatistics:
+        """Statistics that keep a bounded window of recent requests when `keep_recent` (summaries)."""
+        return cls(recent=deque(maxlen=RECENT_REQUESTS) if keep_recent else None)
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One model execution over `batch_size` elements."""
@@ -93,7 +94,7 @@ class ModelStatistics:
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
-        if KEEP_RECENT[0]:
+        if self.recent is not None:
             self.recent.append((time.monotonic(), total_ns, queue_ns, input_ns, infer_ns, output_ns))
 
     def as_dict(self, name: str, version: str) -> dict[str, Any]:

@@ -67,9 +67,10 @@ def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir:
 
 
 def build_loaded_model(spec: ModelSpec, config: Any, version: int,
-                       instances: list[ModelInstance]) -> LoadedModel:
-    """On the event loop: wrap instances in the scheduler the config asks for."""
-    stats = ModelStatistics()
+                       instances: list[ModelInstance], keep_recent: bool = False) -> LoadedModel:
+    """On the event loop: wrap instances in the scheduler the config asks for (`keep_recent`:
+    statistics keep a window of recent requests, for the summary metrics)."""
+    stats = ModelStatistics.create(keep_recent)
     name = f"{spec.name}-{version}"
     policy = batching_policy(config)
     scheduler: Scheduler

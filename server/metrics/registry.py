@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import prometheus_client
 
-from server import statistics
 from server.lifecycle.loaded_model import LoadedModel
 from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS
 
@@ -148,7 +147,6 @@ class MetricsRenderer:
                  traffic: Callable[[str], dict[int, float]] | None = None, cpu_metrics: bool = True) -> None:
         self._models = models
         self._cpu_metrics = cpu_metrics
-        statistics.KEEP_RECENT[0] = config.summary_latencies
         self._traffic = traffic
         self._config = config
         self._system = SystemUsage()
@@ -204,7 +202,7 @@ class MetricsRenderer:
         """Triton's *_summary_us families: cumulative _count/_sum, and quantiles over the requests
         of the last SUMMARY_WINDOW_S seconds (NaN when there were none)."""
         horizon = time.monotonic() - SUMMARY_WINDOW_S
-        windows = {id(m): [r for r in m.stats.recent if r[0] >= horizon] for m in models}
+        windows = {id(m): [r for r in m.stats.recent or () if r[0] >= horizon] for m in models}
         out = []
         for column, (_, _, name, help_text, stage) in enumerate(_STAGE_METRICS, start=1):
             rows = []

@@ -134,8 +134,10 @@ def dependencies(config: mc.ModelConfig) -> list[str]:
 
 
 class RepositoryManager:
-    def __init__(self, repositories: list[Path], auto_complete: bool, load_concurrency: int = 4) -> None:
+    def __init__(self, repositories: list[Path], auto_complete: bool, load_concurrency: int = 4,
+                 keep_recent: bool = False) -> None:
         self._repositories = repositories
+        self._keep_recent = keep_recent  # statistics keep recent requests (the summary metrics need them)
         self._auto_complete = auto_complete
         self._models: dict[str, ModelRecord] = {}
         self._load_slots = asyncio.Semaphore(max(load_concurrency, 1))
@@ -590,7 +592,7 @@ class RepositoryManager:
                 for inst in instances:
                     inst.close()
                 return exc.message
-        model = build_loaded_model(spec, config, version, instances)
+        model = build_loaded_model(spec, config, version, instances, self._keep_recent)
         model.load_duration_s = time.perf_counter() - start
         return model
 
@@ -601,7 +603,7 @@ class RepositoryManager:
             plan = build_plan(config, spec, self._spec_of)
         except PierError as exc:
             return exc.message
-        stats = ModelStatistics()
+        stats = ModelStatistics.create(self._keep_recent)
         return LoadedModel(spec, config, version, EnsembleScheduler(plan, self.services.infer_async, stats), stats)
 
     def _spec_of(self, name: str, version: str) -> ModelSpec:
