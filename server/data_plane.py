@@ -213,3 +213,17 @@ class DataPlane:
         finally:
             request.cancelled = True
             self._end()
+
+    async def responses(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
+        """`infer_stream` for callers that stop at the first error: the responses that carry
+        outputs (a decoupled model's flag-only final left out); an in-band error is raised.
+        Closing the iterator early cancels the request."""
+        stream = self.infer_stream(request)
+        try:
+            async for item in stream:
+                if isinstance(item, PierError):
+                    raise item
+                if item.outputs:
+                    yield item
+        finally:
+            await stream.aclose()

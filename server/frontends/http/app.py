@@ -133,13 +133,9 @@ class HttpHandlers:
         """One JSON answer. As in Triton, the model must produce exactly one response (a decoupled
         model's flag-only final does not count); a second one cancels the request."""
         answer = None
-        stream = self.plane.infer_stream(await self._generate_request(request))
+        stream = self.plane.responses(await self._generate_request(request))
         try:
             async for item in stream:
-                if isinstance(item, PierError):
-                    raise item
-                if not item.outputs:
-                    continue
                 if answer is not None:
                     raise invalid_arg("generate expects model to produce exactly 1 response, this model sent "
                                       "more: use generate_stream (or ask the model for a single response, e.g. "

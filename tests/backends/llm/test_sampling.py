@@ -26,6 +26,7 @@ def test_from_json_accepts_vllm_names():
     ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": -1}, "logprobs"),
     ({"logit_bias": {"5": "x"}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"seed": 2**70}, "seed"),  # a fork's generator would fail a step
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ])
 def test_from_json_rejects_bad_values(body, word):
     with pytest.raises(ValueError, match=word):
