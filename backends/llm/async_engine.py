@@ -55,6 +55,10 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def check_text_length(self, text: str) -> None:
+        """See LLMEngine.check_text_length (safe from any thread: reads fixed settings only)."""
+        self.engine.check_text_length(text)
+
     async def generate(
         self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:

@@ -213,7 +213,7 @@ class LLMInstance(ModelInstance):
         elif messages not in (None, b"", ""):
             try:
                 text = _render_chat(self.tokenizer, json.loads(_text(messages, "chat_messages")))
-                self.engine.engine.check_text_length(text)
+                self.engine.check_text_length(text)
             except RecursionError:
                 raise invalid_arg("chat_messages: the JSON is nested too deeply") from None
             except (ValueError, TypeError) as exc:
@@ -310,22 +310,24 @@ class LLMInstance(ModelInstance):
             tensors.append(Tensor("num_output_tokens", "UINT32", [1], np.array([out.completion_tokens], np.uint32)))
         tensors.append(Tensor("sequence_index", "UINT32", [1], np.array([out.index], np.uint32)))
         if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
-            entries = out.prompt_logprobs
-            payload = json.dumps({
-                "text": self.tokenizer.decode([t for t, _, _ in entries]),  # the prompt, for echo
-                "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t, _, _ in entries],
-                "logprobs": [None if lp is None else
-                             [lp, {self.tokenizer.decode([t], skip_special_tokens=False): v
-                                   for t, v in (top or {}).items()}] for _, lp, top in entries],
-            }).encode()
-            tensors.append(Tensor("prompt_logprobs", "BYTES", [1], np.array([payload], dtype=object)))
+            ids = [t for t, _, _ in out.prompt_logprobs]
+            doc = self._logprobs_doc(ids, [(lp, top) for _, lp, top in out.prompt_logprobs])
+            doc["text"] = self.tokenizer.decode(ids)  # the prompt, for echo
+            tensors.append(Tensor("prompt_logprobs", "BYTES", [1], np.array([json.dumps(doc).encode()], dtype=object)))
         if flags["return_logprobs"]:
-            doc = [[lp, {self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in (top or {}).items()}]
-                   for lp, top in (lps or [])]
-            tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids] if lps else []
-            payload = json.dumps({"tokens": tokens, "logprobs": doc}).encode()
+            payload = json.dumps(self._logprobs_doc(out.token_ids if lps else [], lps or [])).encode()
             tensors.append(Tensor("logprobs", "BYTES", [1], np.array([payload], dtype=object)))
         return tensors
+
+    def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]]) -> dict[str, Any]:
+        """{"tokens": [text of each id], "logprobs": [[logprob, {alternative text: logprob}] or None]}:
+        the logprobs and prompt_logprobs outputs (None: a prompt's first token has no logprob)."""
+        def text(t: int) -> str:
+            return self.tokenizer.decode([t], skip_special_tokens=False)
+
+        return {"tokens": [text(t) for t in ids],
+                "logprobs": [None if lp is None else [lp, {text(t): v for t, v in (top or {}).items()}]
+                             for lp, top in entries]}
 
     # ---- metrics -------------------------------------------------------------------------
 

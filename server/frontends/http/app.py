@@ -71,7 +71,6 @@ class HttpHandlers:
 
     async def _body(self, request: web.Request, what: str) -> dict:
         body = await codec.read_body(request, self.max_json_size, json_only=True)
-        codec.check_json_size(len(body), self.max_json_size)
         if not body.strip():
             return {}
         doc = codec.parse_json(body)

@@ -51,13 +51,16 @@ def decode_base64(value: Any, what: str) -> bytes:
 
 async def read_body(request: web.Request, limit: int, json_only: bool) -> bytes:
     """The request body. A compressed body is inflated only up to `limit` (--http-max-input-size):
-    a 2 MB gzip body can expand to gigabytes. A body that is all JSON is refused before it is read
-    when its declared length is already past the limit."""
+    a 2 MB gzip body can expand to gigabytes. A body that is all JSON (`json_only`) is held to the
+    limit too, refused before it is read when its declared length is already past it."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding in ("", "identity"):
         if json_only and request.content_length is not None:
             check_json_size(request.content_length, limit)
-        return await request.read()
+        body = await request.read()
+        if json_only:  # a chunked body declares no length
+            check_json_size(len(body), limit)
+        return body
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(1 << 16):

@@ -81,7 +81,6 @@ class OpenAIHandlers:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             raw = await codec.read_body(request, self.max_json_size, json_only=True)
-            codec.check_json_size(len(raw), self.max_json_size)
             doc = codec.parse_json(raw)
         except PierError as exc:
             raise _BadRequest(exc.message, None, 413 if exc.code is ErrorCode.TOO_LARGE else 400) from None
