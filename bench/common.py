@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 @dataclass
 class Settings:
     quick: bool = False
-    rounds: int = 1  # interleaved repetitions (the table reports the median over rounds)
+    rounds: int = 1  # interleaved repetitions (the median round; ratios: the median per-round ratio)
     window_ms: int = 3000  # perf_analyzer -p
     stability: int = 15  # perf_analyzer -s (percent)
     max_trials: int = 6  # perf_analyzer -r
@@ -59,7 +59,7 @@ class Settings:
             s = cls(quick=True, rounds=1, window_ms=1000, stability=25, max_trials=4, loadgen_s=2.0, warmup_s=0.5)
         else:
             s = cls()
-            s.rounds = 2
+            s.rounds = 3
         if rounds:
             s.rounds = rounds
         return s

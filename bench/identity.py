@@ -72,15 +72,11 @@ def run(settings: Settings) -> Path:
                             f"p99 {pt.p99_us / 1000:.2f} ms{'' if pt.stable else ' (unstable)'}")
                         group.add(name, c, pt)
 
-    def ratio(g: report.Group, a: str, b: str, c: int) -> float | None:
-        x, y = g.tput(a, c), g.tput(b, c)
-        return x / y if x and y else None
-
     targets = [
-        report.Target("HTTP c=1: Pier ≥ 1.0× Triton", ratio(http, PIER, TRITON, 1), 1.0),
-        report.Target("HTTP c=8: Pier ≥ 1.0× Triton", ratio(http, PIER, TRITON, 8), 1.0),
-        report.Target("gRPC c=1: Pier ≥ 1.0× Triton", ratio(grpc, PIER, TRITON, 1), 1.0),
-        report.Target("gRPC c=8: Pier ≥ 0.90× bare grpc.aio", ratio(grpc, PIER, BARE_GRPC, 8), 0.9),
+        http.target("HTTP c=1: Pier ≥ 1.0× Triton", PIER, 1, TRITON, 1.0),
+        http.target("HTTP c=8: Pier ≥ 1.0× Triton", PIER, 8, TRITON, 1.0),
+        grpc.target("gRPC c=1: Pier ≥ 1.0× Triton", PIER, 1, TRITON, 1.0),
+        grpc.target("gRPC c=8: Pier ≥ 0.90× bare grpc.aio", PIER, 8, BARE_GRPC, 0.9),
     ]
     intro = [
         "perf_analyzer 2.51 (sync, batch 1, random FP32 data, `--shape INPUT0:16`) on the same 2-core "

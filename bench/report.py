@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +38,33 @@ class Group:
         p = self.point(server, x)
         return p.throughput if p else None
 
+    def round_ratios(self, a: str, x: int, b: str, y: int | None = None) -> list[float]:
+        """Row `a` at `x` over row `b` at `y` (default `x`) within each round, when both rows have
+        every round (each round measures the rows back to back: a paired comparison)."""
+        pa, pb = self.data.get((a, x), []), self.data.get((b, x if y is None else y), [])
+        if len(pa) < 2 or len(pa) != len(pb) or not all(q.throughput for q in pb):
+            return []
+        return [p.throughput / q.throughput for p, q in zip(pa, pb)]
+
+    def ratio(self, a: str, x: int, b: str, y: int | None = None) -> float | None:
+        """The median of the per-round ratios when there are several paired rounds (on this noisy
+        machine the rows of one round share its load), else the ratio of the median rounds."""
+        paired = self.round_ratios(a, x, b, y)
+        if paired:
+            return statistics.median(paired)
+        p, q = self.tput(a, x), self.tput(b, x if y is None else y)
+        return p / q if p and q else None
+
+    def target(self, text: str, a: str, x: int, b: str, threshold: float, y: int | None = None) -> Target:
+        return Target(text, self.ratio(a, x, b, y), threshold, self.round_ratios(a, x, b, y))
+
 
 @dataclass
 class Target:
     text: str  # what the target says
     value: float | None  # measured ratio
     threshold: float
+    rounds: list[float] = field(default_factory=list)  # the ratio within each round, when paired
 
     @property
     def verdict(self) -> str:
@@ -69,8 +91,8 @@ def _table(g: Group) -> list[str]:
                 mark += f" ({p.errors} errors)"
             cells = [xl, s, fmt_rate(p.throughput) + mark, fmt_ms(p.p50_us), fmt_ms(p.p90_us), fmt_ms(p.p99_us)]
             for r in g.refs:
-                ref = g.tput(r, x)
-                cells.append(f"{p.throughput / ref:.2f}×" if (ref and s != r and s.startswith(g.subject)) else "")
+                ratio = g.ratio(s, x, r) if s != r and s.startswith(g.subject) else None
+                cells.append(f"{ratio:.2f}×" if ratio else "")
             if any_rounds:
                 rounds = p.extra.get("rounds", [])
                 cells.append(" / ".join(fmt_rate(v) for v in rounds) if len(rounds) > 1 else "")
@@ -140,13 +162,17 @@ def write(name: str, title: str, settings, groups: list[Group], targets: list[Ta
         "- figures are from ONE run, servers measured back to back (interleaved when rounds > 1); "
         "compare only within this file. `~` = perf_analyzer could not stabilise at the configured "
         "threshold and the point was re-measured with a looser one (50 %, then none); `rounds` lists "
-        "each round's throughput, the table shows the median round.",
+        "each round's throughput, the table shows the median round. Ratios (the `vs` columns and the "
+        "targets) are the median of the per-round ratios: each round measures the rows back to back, "
+        "so a ratio within a round compares like with like.",
         "",
     ]
     if targets:
         lines += ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
         for t in targets:
             v = "—" if t.value is None else f"{t.value:.2f}×"
+            if t.rounds:
+                v += " (rounds: " + " / ".join(f"{r:.2f}" for r in t.rounds) + ")"
             lines.append(f"| {t.text} | {v} | {t.verdict} |")
         lines.append("")
     for g in groups:

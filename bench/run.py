@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(BENCHMARKS),
                    help=f"comma-separated subset of {', '.join(BENCHMARKS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="short measurement windows and one round")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 1 quick, 2 full)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 1 quick, 3 full)")
     args = p.parse_args(argv)
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = [b for b in chosen if b not in BENCHMARKS]

@@ -38,7 +38,6 @@ from bench.text_embedding import (
     UNBATCHED,
     batching_targets,
     measure_both,
-    ratio,
 )
 
 HIDDEN = 384
@@ -164,7 +163,7 @@ def run(settings: Settings, device: str) -> Path:
                     pier.grpc, requests[m], c, settings.loadgen_s, settings.warmup_s, check=check))
 
     targets = batching_targets(group, DIRECT, "direct")
-    gain_direct, gain_pier = ratio(group, DIRECT, 32, DIRECT, 1), ratio(group, BATCHED, 32, UNBATCHED, 32)
+    gain_direct, gain_pier = group.ratio(DIRECT, 32, DIRECT, 1), group.ratio(BATCHED, 32, UNBATCHED)
     group.notes += [
         f"Batching gain: direct batch 32 ÷ batch 1 = {gain_direct or 0:.1f}×; Pier with batching ÷ without at "
         f"c=32 = {gain_pier or 0:.1f}×.",
