@@ -410,6 +410,39 @@ def test_disconnect_cancels_a_non_streaming_request(server: PierProcess) -> None
     assert _metric(server, "vllm:generation_tokens_total") - generated_before < 32 * 400  # it stopped early
 
 
+def test_grpc_stream_deadline_cancels_the_request(server: PierProcess) -> None:
+    """A stream whose gRPC deadline passes (tritonclient's stream_timeout) ends with
+    DEADLINE_EXCEEDED, and the request it was generating is aborted and its blocks freed."""
+    aborted_before = _aborted(server)
+    generated_before = _metric(server, "vllm:generation_tokens_total")
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers),
+                        stream_timeout=1.5)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"a long story"], dtype=object))
+    stream = grpcclient.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    sampling = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps(
+        {"temperature": 1.0, "max_tokens": 400, "n": 32, "ignore_eos": True}).encode()], dtype=object))
+    client.async_stream_infer("tiny_llama", [text, stream, sampling], request_id="slow")
+    error = None
+    while error is None:
+        _, error = answers.get(timeout=60)
+    assert "DEADLINE_EXCEEDED" in str(error) or "Deadline" in str(error), error
+    client.stop_stream()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (_aborted(server) < aborted_before + 1
+                                           or _metric(server, "vllm:num_requests_running") > 0
+                                           or _metric(server, "vllm:kv_cache_usage_perc") > 0):
+        time.sleep(0.1)
+    assert _aborted(server) == aborted_before + 1
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert _metric(server, "vllm:generation_tokens_total") - generated_before < 32 * 400  # it stopped early
+
+
 def test_llm_metrics_are_exported(server: PierProcess) -> None:
     text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     for name in ("vllm:num_requests_waiting", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
