@@ -110,6 +110,7 @@ class PierServer:
             await self._grpc.stop(grace=1.0)
         for runner in self._runners:
             await runner.cleanup()
+        self.plane.shared_memory.close()
         await self.manager.unload_all()
 
 

@@ -13,6 +13,7 @@ from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
 from server.scheduling.base import WorkItem
+from server.shared_memory import SystemSharedMemory
 from server.types import InferenceRequest, InferenceResponse, Tensor
 from server.validation import to_api_outputs, validate_request
 
@@ -20,7 +21,7 @@ SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "model_configuration",
-              "binary_tensor_data", "parameters", "statistics")
+              "system_shared_memory", "binary_tensor_data", "parameters", "statistics")
 
 
 class DataPlane:
@@ -32,6 +33,7 @@ class DataPlane:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.shared_memory = SystemSharedMemory()  # regions clients registered (system shared memory extension)
 
     # ---- server state --------------------------------------------------------------------
 

@@ -173,7 +173,7 @@ def test_grpc_health_service(pier):
 def test_unimplemented_rpcs_say_so(pier):
     client = grpcclient.InferenceServerClient(pier.grpc_url)
     with pytest.raises(InferenceServerException) as err:
-        client.get_system_shared_memory_status()
+        client.get_cuda_shared_memory_status()
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
     assert "not implemented" in err.value.message()
 

@@ -11,6 +11,7 @@ import numpy as np
 from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, to_raw
 from server.errors import invalid_arg, unsupported
 from server.protocol import grpc_service_pb2 as pb
+from server.shared_memory import SystemSharedMemory, check_output, read_input, without_placement, write_output
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from server.validation import check_parameters
 
@@ -59,17 +60,26 @@ def params_dict(params: Any) -> dict[str, Any]:
     return {k: param_value(v) for k, v in params.items()}
 
 
-def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
+def _in_shm(t: Any) -> bool:
+    return bool(t.parameters) and "shared_memory_region" in t.parameters
+
+
+def _check_raw_count(raw: Any, sent: list[Any], model: str) -> None:
+    if len(raw) < len(sent):
+        raise invalid_arg(f"unable to find data for input tensor '{sent[len(raw)].name}' for model '{model}'")
+    if len(raw) > len(sent):
+        raise invalid_arg(f"raw_input_contents has {len(raw)} entries but the request has {len(sent)} inputs "
+                          "that are not in shared memory")
+
+
+def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = None) -> InferenceRequest:
+    """`shm`: the registered shared-memory regions inputs and outputs may name (None: none may).
+    raw_input_contents holds one entry per input that is not in shared memory, in order."""
     raw = req.raw_input_contents
     model = req.model_name
     req_inputs = req.inputs
-    if raw and len(raw) != len(req_inputs):
-        which = req_inputs[len(raw)].name if len(raw) < len(req_inputs) else ""
-        if which:
-            raise invalid_arg(f"unable to find data for input tensor '{which}' for model '{model}'")
-        raise invalid_arg(
-            f"raw_input_contents has {len(raw)} entries but the request has {len(req_inputs)} inputs"
-        )
+    if raw and len(raw) != len(req_inputs):  # equal counts with an input in shared memory: see the loop
+        _check_raw_count(raw, [t for t in req_inputs if not _in_shm(t)], model)
     inputs = []
     i = 0
     for t in req_inputs:
@@ -84,7 +94,13 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
             params = params_dict(t.parameters)
             check_parameters(params)
             if "shared_memory_region" in params:
-                raise unsupported("shared-memory inputs are not supported yet")
+                if raw and len(raw) == len(req_inputs):
+                    _check_raw_count(raw, [t for t in req_inputs if not _in_shm(t)], model)
+                if t.HasField("contents"):
+                    raise invalid_arg(f"input '{name}' is in shared memory and must not also have contents")
+                data = read_input(shm, params, datatype, shape, name, model, req.id)
+                inputs.append(Tensor(name, datatype, shape, data, without_placement(params)))
+                continue
         if raw:
             if t.HasField("contents"):
                 raise invalid_arg(
@@ -103,8 +119,7 @@ def decode_request(req: pb.ModelInferRequest) -> InferenceRequest:
             check_parameters(params)
             if "classification" in params:
                 raise unsupported("the classification extension is not supported")
-            if "shared_memory_region" in params:
-                raise unsupported("shared-memory outputs are not supported yet")
+            check_output(params, shm)
             outputs.append(RequestedOutput(o.name, params))
     params = {}
     if req.parameters:
@@ -143,13 +158,20 @@ def _from_contents(t: Any, datatype: str, shape: list[int], model: str) -> np.nd
     return arr.astype(dtype, copy=False).reshape(shape)
 
 
-def encode_response(resp: InferenceResponse) -> pb.ModelInferResponse:
+def encode_response(resp: InferenceResponse, request: InferenceRequest | None = None,
+                    shm: SystemSharedMemory | None = None) -> pb.ModelInferResponse:
+    """Outputs that `request` asked for in shared memory are written there; their
+    raw_output_contents entry is empty (as Triton's), keeping the entries aligned with outputs."""
     out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
+    wanted = {o.name: o.parameters for o in request.outputs} if request is not None else {}
     for t in resp.outputs:
         o = out.outputs.add()
         o.name = t.name
         o.datatype = t.datatype
         o.shape.extend(t.shape)
+        if shm is not None and wanted and write_output(shm, t, wanted.get(t.name, {})):
+            out.raw_output_contents.append(b"")
+            continue
         for k, v in t.parameters.items():
             set_param(o.parameters[k], v)
         out.raw_output_contents.append(to_raw(t.data, t.datatype))

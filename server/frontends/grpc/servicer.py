@@ -120,8 +120,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        response = await self.plane.infer(codec.decode_request(request))
-        return codec.encode_response(response)
+        shm = self.plane.shared_memory
+        infer_request = codec.decode_request(request, shm)
+        return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -141,7 +142,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def run(req: pb.ModelInferRequest, after: asyncio.Future, mine: asyncio.Future) -> None:
             try:
                 try:
-                    request = codec.decode_request(req)
+                    request = codec.decode_request(req, self.plane.shared_memory)
                     decoupled = self.plane.is_decoupled(request.model_name, request.model_version)
                 except PierError as exc:
                     await after
@@ -149,7 +150,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     return
                 if not decoupled:
                     try:
-                        resp = codec.encode_response(await self.plane.infer(request))
+                        resp = codec.encode_response(await self.plane.infer(request), request, self.plane.shared_memory)
                         resp.parameters["triton_final_response"].bool_param = True
                         message = pb.ModelStreamInferResponse(infer_response=resp)
                     except PierError as exc:
@@ -171,7 +172,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     final = bool(item.parameters.get("triton_final_response"))
                     if final and not item.outputs and not empty_final:
                         continue
-                    resp = codec.encode_response(item)
+                    resp = codec.encode_response(item, request, self.plane.shared_memory)
                     resp.parameters["triton_final_response"].bool_param = final
                     out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
             except PierError as exc:  # the request was refused (validation) before it produced anything
@@ -209,9 +210,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             for t in list(tasks):
                 t.cancel()
 
-    SystemSharedMemoryStatus = _not_yet("SystemSharedMemoryStatus (system shared memory)")
-    SystemSharedMemoryRegister = _not_yet("SystemSharedMemoryRegister (system shared memory)")
-    SystemSharedMemoryUnregister = _not_yet("SystemSharedMemoryUnregister (system shared memory)")
+    @_translate
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Any) -> pb.SystemSharedMemoryStatusResponse:
+        out = pb.SystemSharedMemoryStatusResponse()
+        for region in self.plane.shared_memory.status(request.name):
+            out.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return out
+
+    @_translate
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Any) -> pb.SystemSharedMemoryRegisterResponse:
+        self.plane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_translate
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.plane.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
     CudaSharedMemoryStatus = _not_yet("CudaSharedMemoryStatus (CUDA shared memory)")
     CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
     CudaSharedMemoryUnregister = _not_yet("CudaSharedMemoryUnregister (CUDA shared memory)")

@@ -180,6 +180,28 @@ class HttpHandlers:
         await reply.write_eof()
         return reply
 
+    async def shm_status(self, request: web.Request) -> web.Response:
+        return _json(self.plane.shared_memory.status(request.match_info.get("region", "")))
+
+    async def shm_register(self, request: web.Request) -> web.Response:
+        doc = await self._body(request, "shared memory register")
+        fields = []
+        for key in ("key", "offset", "byte_size"):
+            if key not in doc:
+                raise invalid_arg(f"Shared memory register request has no '{key}' field")
+            value = doc[key]
+            ok = isinstance(value, str) if key == "key" else type(value) is int and value >= 0
+            if not ok:
+                raise invalid_arg(f"Shared memory register request's '{key}' must be "
+                                  + ("a string" if key == "key" else "a non-negative integer"))
+            fields.append(value)
+        self.plane.shared_memory.register(request.match_info["region"], *fields)
+        return _empty(200)
+
+    async def shm_unregister(self, request: web.Request) -> web.Response:
+        self.plane.shared_memory.unregister(request.match_info.get("region", ""))
+        return _empty(200)
+
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
@@ -193,9 +215,9 @@ class HttpHandlers:
             batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
             infer_request = codec.decode_raw_request(model, version, metadata, batching, body)
         else:
-            infer_request = codec.decode_request(model, version, body, json_length)
+            infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
         response = await self.plane.infer(infer_request)
-        payload, header_len = codec.encode_response(response, infer_request)
+        payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
         if header_len is None:
             reply = web.Response(body=payload, content_type="application/json")
         else:
@@ -266,7 +288,13 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
         r.add_post(base + "/generate", h.generate)
         r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)
-    for path in ("/v2/systemsharedmemory/{tail:.*}", "/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
+    shm = "/v2/systemsharedmemory"
+    r.add_get(shm + "/status", h.shm_status)
+    r.add_get(shm + "/region/{region}/status", h.shm_status)
+    r.add_post(shm + "/region/{region}/register", h.shm_register)
+    r.add_post(shm + "/unregister", h.shm_unregister)
+    r.add_post(shm + "/region/{region}/unregister", h.shm_unregister)
+    for path in ("/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
                  "/v2/models/{model}/trace/setting", "/v2/logging"):
         r.add_route("*", path, h.not_yet)
     openai.add_routes(app, plane, max_input_size)

@@ -17,6 +17,7 @@ from aiohttp import web
 from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg, unsupported
 from server.frontends.json_data import array_from_json, array_to_json
+from server.shared_memory import SystemSharedMemory, check_output, read_input, without_placement, write_output
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from server.validation import check_parameters
 
@@ -103,9 +104,11 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def decode_request(model: str, version: str, body: bytes, json_length: int | None) -> InferenceRequest:
+def decode_request(model: str, version: str, body: bytes, json_length: int | None,
+                   shm: SystemSharedMemory | None = None) -> InferenceRequest:
     """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON;
-    0 is a raw binary request, see `decode_raw_request`)."""
+    0 is a raw binary request, see `decode_raw_request`). `shm`: the registered shared-memory
+    regions inputs and outputs may name (None: none may)."""
     view = memoryview(body)
     if json_length is None:
         header, blobs = view, view[len(view):]
@@ -123,7 +126,7 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
     offset = 0
     inputs: list[Tensor] = []
     for i, item in enumerate(raw_inputs):
-        tensor, offset = _decode_input(item, i, blobs, offset, model, rid)
+        tensor, offset = _decode_input(item, i, blobs, offset, model, rid, shm)
         inputs.append(tensor)
     if offset != len(blobs):
         raise invalid_arg(f"unexpected additional input data for model '{model}'")
@@ -138,8 +141,7 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
         check_parameters(params)
         if "classification" in params:
             raise unsupported("the classification extension is not supported")
-        if "shared_memory_region" in params:
-            raise unsupported("shared-memory outputs are not supported yet")
+        check_output(params, shm)
         outputs.append(RequestedOutput(item["name"], params))
     params = _dict(doc.get("parameters"), "parameters")
     check_parameters(params)
@@ -176,7 +178,7 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
 
 
 def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: str,
-                  rid: str) -> tuple[Tensor, int]:
+                  rid: str, shm: SystemSharedMemory | None) -> tuple[Tensor, int]:
     if not isinstance(item, dict):
         raise invalid_arg(f"input {index} must be a JSON object")
     name = item.get("name")
@@ -196,13 +198,15 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
     params = _dict(item.get("parameters"), f"parameters of input '{name}'")
     size = params.get("binary_data_size")
     has_data = "data" in item
-    shm = "shared_memory_region" in params
-    if has_data + (size is not None) + shm != 1:
+    in_shm = "shared_memory_region" in params
+    if has_data + (size is not None) + in_shm != 1:
         present = [k for k, on in (("data", has_data), ("binary_data_size", size is not None),
-                                    ("shared_memory_region", shm)) if on]
-        raise invalid_arg(f"{_ONE_OF} But {'none' if not present else ' and '.join(present)} set for input '{name}'")
-    if shm:
-        raise unsupported("shared-memory inputs are not supported yet")
+                                    ("shared_memory_region", in_shm)) if on]
+        got = "no field is set" if not present else "set " + " ".join(f"'{k}'" for k in present)
+        raise invalid_arg(f"{_ONE_OF} But {got}")  # Triton's words (it does not name the input either)
+    if in_shm:
+        data = read_input(shm, params, datatype, shape, name, model, rid)
+        return Tensor(name, datatype, shape, data, without_placement(params)), offset
     if size is not None:
         if type(size) is not int or size < 0:
             raise invalid_arg(f"binary_data_size of input '{name}' must be a non-negative integer")
@@ -226,8 +230,10 @@ def _has_non_finite(t: Tensor) -> bool:
     return t.data.dtype.kind == "f" and t.data.size > 0 and not bool(np.isfinite(t.data).all())
 
 
-def encode_response(response: InferenceResponse, request: InferenceRequest) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header length when binary blobs follow (else None)."""
+def encode_response(response: InferenceResponse, request: InferenceRequest,
+                    shm: SystemSharedMemory | None = None) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header length when binary blobs follow (else None).
+    Outputs requested in shared memory are written there and carry no data."""
     default_binary = request.parameters.get("binary_data_output", False) is True
     wanted = {o.name: o.parameters for o in request.outputs}
     outs: list[dict[str, Any]] = []
@@ -237,6 +243,9 @@ def encode_response(response: InferenceResponse, request: InferenceRequest) -> t
         p = wanted.get(t.name, {})
         binary = p.get("binary_data", default_binary) is True or t.datatype in JSON_UNSUPPORTED
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+        if shm is not None and write_output(shm, t, p):
+            outs.append(entry)
+            continue
         if binary:
             any_binary = True
             blob = to_raw(t.data, t.datatype)
