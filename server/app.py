@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 
 from aiohttp import web
 
+from server import log_settings
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.frontends.grpc.servicer import start_grpc_server
@@ -165,11 +165,9 @@ class _ClientMistakes(logging.Filter):
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(
-        level=logging.DEBUG if settings.log_verbose > 0 else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
-        stream=sys.stderr,
-    )
+    log_settings.install(log_settings.LogSettings(
+        log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
+        log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
     logging.getLogger("aiohttp.server").addFilter(_ClientMistakes())
     try:
         import uvloop

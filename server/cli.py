@@ -41,6 +41,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="model to load at startup in explicit mode ('*' = all)")
     flag("--exit-timeout-secs", type=float, default=30.0)
     flag("--log-verbose", type=int, default=0)
+    for name in ("log-info", "log-warning", "log-error"):
+        flag(f"--{name}", type=_bool, nargs="?", const=True, default=True, metavar="BOOL")
+    flag("--log-format", choices=("default", "ISO8601"), default="default")
+    flag("--log-file", default="", help="write the log to this file instead of stderr")
     flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
     flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
     flag("--model-load-thread-count", type=int, default=4)
@@ -106,6 +110,11 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         strict_readiness=args.strict_readiness,
         exit_timeout_secs=args.exit_timeout_secs,
         log_verbose=args.log_verbose,
+        log_info=args.log_info,
+        log_warning=args.log_warning,
+        log_error=args.log_error,
+        log_format=args.log_format,
+        log_file=args.log_file,
         http_max_input_size=args.http_max_input_size,
         grpc_max_message_size=args.grpc_max_message_size,
         model_load_thread_count=args.model_load_thread_count,

@@ -21,7 +21,7 @@ SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "model_configuration",
-              "system_shared_memory", "binary_tensor_data", "parameters", "statistics")
+              "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "logging")
 
 
 class DataPlane:

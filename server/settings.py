@@ -25,6 +25,11 @@ class Settings:
     strict_readiness: bool = True
     exit_timeout_secs: float = 30.0
     log_verbose: int = 0
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
+    log_format: str = "default"  # default | ISO8601
+    log_file: str = ""  # empty: stderr
     http_max_input_size: int = 1 << 26
     grpc_max_message_size: int = (1 << 31) - 1
     model_load_thread_count: int = 4

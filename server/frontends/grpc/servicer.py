@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from server import log_settings
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError, unsupported
@@ -233,7 +234,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
     CudaSharedMemoryUnregister = _not_yet("CudaSharedMemoryUnregister (CUDA shared memory)")
     TraceSetting = _not_yet("TraceSetting (trace extension)")
-    LogSettings = _not_yet("LogSettings (logging extension)")
+    @_translate
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
+        changes = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.settings.items()
+                   if v.WhichOneof("parameter_choice")}
+        out = pb.LogSettingsResponse()
+        for key, value in log_settings.update(changes).items():
+            kind = "bool" if isinstance(value, bool) else "uint32" if isinstance(value, int) else "string"
+            setattr(out.settings[key], kind + "_param", value)
+        return out
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):

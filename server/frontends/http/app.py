@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from server import log_settings
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError, invalid_arg
@@ -202,6 +203,12 @@ class HttpHandlers:
         self.plane.shared_memory.unregister(request.match_info.get("region", ""))
         return _empty(200)
 
+    async def logging_get(self, request: web.Request) -> web.Response:
+        return _json(log_settings.current().as_dict())
+
+    async def logging_update(self, request: web.Request) -> web.Response:
+        return _json(log_settings.update(await self._body(request, "log settings")))
+
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
@@ -294,8 +301,9 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
     r.add_post(shm + "/region/{region}/register", h.shm_register)
     r.add_post(shm + "/unregister", h.shm_unregister)
     r.add_post(shm + "/region/{region}/unregister", h.shm_unregister)
-    for path in ("/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting",
-                 "/v2/models/{model}/trace/setting", "/v2/logging"):
+    r.add_get("/v2/logging", h.logging_get)
+    r.add_post("/v2/logging", h.logging_update)
+    for path in ("/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting", "/v2/models/{model}/trace/setting"):
         r.add_route("*", path, h.not_yet)
     openai.add_routes(app, plane, max_input_size)
     repo_model = "/v2/repository/models/{model}"

@@ -1,0 +1,111 @@
+"""Logging as tritonserver configures it: --log-info / --log-warning / --log-error switch each
+severity on or off, --log-verbose > 0 adds verbose (DEBUG) lines, --log-format is `default` or
+`ISO8601`, --log-file sends the log to a file. The logging extension (GET/POST /v2/logging,
+gRPC LogSettings) reads and changes the same settings at run time, except the file, which
+Triton refuses to move over the network too. Logging is process-wide, so these settings are."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import ErrorCode, PierError, invalid_arg
+
+FORMATS = ("default", "ISO8601")
+_LINE = "%(asctime)s %(levelname).1s %(name)s] %(message)s"
+
+
+class _IsoFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__(_LINE, datefmt="%Y-%m-%dT%H:%M:%SZ")
+
+    def converter(self, secs: float | None) -> time.struct_time:  # type: ignore[override]
+        return time.gmtime(secs)
+
+
+@dataclass
+class LogSettings:
+    log_file: str = ""
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
+    log_verbose_level: int = 0
+    log_format: str = "default"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"log_file": self.log_file, "log_info": self.log_info, "log_warning": self.log_warning,
+                "log_error": self.log_error, "log_verbose_level": self.log_verbose_level,
+                "log_format": self.log_format}
+
+    def allows(self, record: logging.LogRecord) -> bool:
+        level = record.levelno
+        if level >= logging.ERROR:
+            return self.log_error
+        if level >= logging.WARNING:
+            return self.log_warning
+        if level >= logging.INFO:
+            return self.log_info
+        return self.log_verbose_level > 0
+
+
+class _Switches(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _current.allows(record)
+
+
+_current = LogSettings()
+_handler: logging.Handler | None = None
+
+
+def current() -> LogSettings:
+    return _current
+
+
+def install(settings: LogSettings) -> None:
+    """Route the root logger through one handler that applies `settings` (called once at startup)."""
+    global _current, _handler
+    if settings.log_format not in FORMATS:
+        raise ValueError(f"invalid argument for --log-format, got: {settings.log_format}")
+    _current = settings
+    handler: logging.Handler = (logging.FileHandler(settings.log_file) if settings.log_file
+                                else logging.StreamHandler(sys.stderr))
+    handler.addFilter(_Switches())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    _handler = handler
+    _apply()
+
+
+def _apply() -> None:
+    logging.getLogger().setLevel(logging.DEBUG if _current.log_verbose_level > 0 else logging.INFO)
+    if _handler is not None:
+        _handler.setFormatter(_IsoFormatter() if _current.log_format == "ISO8601" else logging.Formatter(_LINE))
+
+
+def update(changes: dict[str, Any]) -> dict[str, Any]:
+    """Apply a logging-extension update (all keys checked before any applies); return every setting.
+    Unknown keys are ignored, as Triton does."""
+    new = LogSettings(**_current.as_dict())
+    for key, value in changes.items():
+        if key == "log_file":
+            raise PierError(ErrorCode.UNSUPPORTED, "log file location can not be updated through network protocol")
+        if key in ("log_info", "log_warning", "log_error"):
+            if not isinstance(value, bool):
+                raise invalid_arg(f"invalid value type for '{key}': expected a boolean, got {value!r}")
+        elif key == "log_verbose_level":
+            if type(value) is not int or value < 0:
+                raise invalid_arg(f"invalid value for 'log_verbose_level': expected an integer >= 0, got {value!r}")
+        elif key == "log_format":
+            if value not in FORMATS:
+                raise invalid_arg(f"invalid argument for log_format, got: {value}")
+        else:
+            continue
+        setattr(new, key, value)
+    _current.__dict__.update(new.__dict__)
+    _apply()
+    return _current.as_dict()
