@@ -20,6 +20,7 @@ from server.repository.manager import RepositoryManager
 from server.repository.watcher import RepositoryWatcher
 from server.services import PlaneServices
 from server.settings import Settings
+from server.tracing import Tracer, parse_trace_config
 
 log = logging.getLogger("pier")
 
@@ -43,7 +44,8 @@ class PierServer:
             list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count,
             keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies,
         )
-        self.plane = DataPlane(self.manager, settings.strict_readiness)
+        self.plane = DataPlane(self.manager, settings.strict_readiness,
+                               Tracer(parse_trace_config(list(settings.trace_config))))
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
@@ -111,6 +113,7 @@ class PierServer:
         for runner in self._runners:
             await runner.cleanup()
         self.plane.shared_memory.close()
+        self.plane.tracer.close()
         await self.manager.unload_all()
 
 

@@ -45,6 +45,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         flag(f"--{name}", type=_bool, nargs="?", const=True, default=True, metavar="BOOL")
     flag("--log-format", choices=("default", "ISO8601"), default="default")
     flag("--log-file", default="", help="write the log to this file instead of stderr")
+    flag("--trace-config", action="append", default=[], metavar="[triton,]KEY=VALUE",
+         help="request tracing: file=, log-frequency=, rate=, count=, level=OFF|TIMESTAMPS|TENSORS (repeatable)")
     flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
     flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
     flag("--model-load-thread-count", type=int, default=4)
@@ -90,6 +92,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         MetricsConfig.parse(args.metrics_config)
     except ValueError as exc:
         parser.error(str(exc))
+    from server.tracing import parse_trace_config
+
+    try:
+        parse_trace_config(args.trace_config)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.repository_poll_secs <= 0:
         parser.error("--repository-poll-secs must be positive")
     return Settings(
@@ -120,6 +128,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         model_load_thread_count=args.model_load_thread_count,
         repository_poll_secs=args.repository_poll_secs,
         metrics_config=tuple(args.metrics_config),
+        trace_config=tuple(args.trace_config),
         allow_cpu_metrics=args.allow_cpu_metrics,
     )
 

@@ -14,6 +14,7 @@ from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
 from server.scheduling.base import WorkItem
 from server.shared_memory import SystemSharedMemory
+from server.tracing import Trace, Tracer
 from server.types import InferenceRequest, InferenceResponse, Tensor
 from server.validation import to_api_outputs, validate_request
 
@@ -21,11 +22,11 @@ SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "model_configuration",
-              "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "logging")
+              "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "trace", "logging")
 
 
 class DataPlane:
-    def __init__(self, manager: RepositoryManager, strict_readiness: bool) -> None:
+    def __init__(self, manager: RepositoryManager, strict_readiness: bool, tracer: Tracer | None = None) -> None:
         self._manager = manager
         self._strict = strict_readiness
         self._started = False
@@ -34,6 +35,7 @@ class DataPlane:
         self._idle = asyncio.Event()
         self._idle.set()
         self.shared_memory = SystemSharedMemory()  # regions clients registered (system shared memory extension)
+        self.tracer = tracer or Tracer()  # request tracing (trace extension)
 
     # ---- server state --------------------------------------------------------------------
 
@@ -165,16 +167,44 @@ class DataPlane:
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
         return await self._infer(model, request)
 
+    def _trace(self, model: LoadedModel, request: InferenceRequest) -> tuple[Trace | None, bool]:
+        """The request's trace (one its frontend began, or one sampled here, which the plane then
+        finishes: owned), stamped up to QUEUE_START. Only called when tracing is on."""
+        trace, owned = request.trace or None, False
+        if request.trace is None:
+            trace = request.trace = self.tracer.sample(model.spec.name, request.id)
+            owned = trace is not None
+        if trace is not None:
+            trace.start(model.version)
+            for t in request.inputs:
+                trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
+            trace.stamp("QUEUE_START")
+        return trace, owned
+
+    def _end_trace(self, trace: Trace, owned: bool, outputs: list[Tensor]) -> None:
+        for t in outputs:
+            trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
+        trace.stamp("REQUEST_END")
+        if owned:
+            self.tracer.finish(trace)
+
     async def _infer(self, model: LoadedModel, request: InferenceRequest) -> InferenceResponse:
         batch = self._validate(model, request)
+        trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
         self._begin()
         try:
             result = await model.scheduler.enqueue(WorkItem(request, batch))
         finally:
             self._end()
         if isinstance(result, PierError):
+            if trace is not None:
+                self._end_trace(trace, owned, [])
             raise result
-        return self._response(model, request, result, batch)
+        response = self._response(model, request, result, batch)
+        if trace is not None:
+            trace.stamp("INFER_RESPONSE_COMPLETE")
+            self._end_trace(trace, owned, response.outputs)
+        return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:
         """Every response of one request: one for ordinary models; for decoupled models each

@@ -35,4 +35,5 @@ class Settings:
     model_load_thread_count: int = 4
     repository_poll_secs: float = 15.0
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config
+    trace_config: tuple[str, ...] = ()  # "[triton,]key=value" items, as tritonserver's --trace-config
     allow_cpu_metrics: bool = True

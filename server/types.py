@@ -46,6 +46,7 @@ class InferenceRequest:
     # final). Set by the data plane for models with a decoupled transaction policy.
     response_sink: Callable[[Any, bool], None] | None = None
     cancelled: bool = False  # the client went away (decoupled streams): models may stop early
+    trace: Any = None  # server.tracing.Trace when traced; False when its frontend sampled it out
 
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]

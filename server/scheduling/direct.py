@@ -44,6 +44,8 @@ class DirectScheduler(Scheduler):
         infer_ns = job.end_ns - job.start_ns
         output_ns = done - job.end_ns
         self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
+        if item.request.trace:
+            item.request.trace.compute(job.picked_ns, job.start_ns, job.end_ns, done)
         result = job.results[0]
         if self._layout is not None:
             result = split(result, [item.batch_size], [item.request], self._layout)[0]

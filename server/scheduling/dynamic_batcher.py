@@ -321,6 +321,8 @@ class DynamicBatcher(Scheduler):
             ok = not isinstance(result, Exception)
             self._stats.record_request(ok, done - p.item.enqueued_ns, job.picked_ns - p.item.enqueued_ns,
                                        input_ns, infer_ns, output_ns, reason=None if ok else "BACKEND")
+            if p.item.request.trace:
+                p.item.request.trace.compute(job.picked_ns, job.start_ns, job.end_ns, done)
         if self._policy.preserve_ordering:
             self._finished[seq] = (batch, results)
             while self._deliver_seq in self._finished:

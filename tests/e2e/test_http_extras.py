@@ -140,7 +140,7 @@ def test_statistics_lookup_errors(pier):
 
 def test_unimplemented_extensions_answer_501(pier):
     for method, path in (("GET", "/v2/cudasharedmemory/status"), ("POST", "/v2/cudasharedmemory/unregister"),
-                         ("GET", "/v2/trace/setting")):
+                         ("POST", "/v2/cudasharedmemory/region/r/register")):
         r = requests.request(method, pier.base() + path, timeout=5)
         assert r.status_code == 501 and "not implemented" in r.json()["error"], path
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -122,8 +123,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         shm = self.plane.shared_memory
+        if self.plane.tracer.on:
+            return await self._traced_infer(request, shm)
         infer_request = codec.decode_request(request, shm)
         return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
+
+    async def _traced_infer(self, request: pb.ModelInferRequest, shm: Any) -> pb.ModelInferResponse:
+        """ModelInfer with Triton's gRPC trace timestamps (the request was read before the handler ran)."""
+        received = time.perf_counter_ns()
+        infer_request = codec.decode_request(request, shm)
+        trace = self.plane.tracer.begin(infer_request, "GRPC", received)
+        response = await self.plane.infer(infer_request)
+        if trace is not None:
+            trace.stamp("GRPC_SEND_START")
+        out = codec.encode_response(response, infer_request, shm)
+        if trace is not None:
+            trace.stamp("GRPC_SEND_END")
+            self.plane.tracer.finish(trace)
+        return out
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -233,7 +250,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryStatus = _not_yet("CudaSharedMemoryStatus (CUDA shared memory)")
     CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
     CudaSharedMemoryUnregister = _not_yet("CudaSharedMemoryUnregister (CUDA shared memory)")
-    TraceSetting = _not_yet("TraceSetting (trace extension)")
+    @_translate
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> pb.TraceSettingResponse:
+        """An empty value list resets the setting (a model's falls back to the global one)."""
+        if request.model_name:
+            self.plane.model_ready(request.model_name)
+        changes = {k: (list(v.value) if v.value else None) for k, v in request.settings.items()}
+        settings = (self.plane.tracer.update(changes, request.model_name) if changes
+                    else self.plane.tracer.settings(request.model_name))
+        out = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            out.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return out
     @_translate
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
         changes = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.settings.items()

@@ -4,6 +4,7 @@ DataPlane -> wire. Unknown paths answer 404 {"error":"Not Found"}, wrong verbs 4
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -209,10 +210,23 @@ class HttpHandlers:
     async def logging_update(self, request: web.Request) -> web.Response:
         return _json(log_settings.update(await self._body(request, "log settings")))
 
+    async def trace_get(self, request: web.Request) -> web.Response:
+        model = request.match_info.get("model", "")
+        if model:
+            self.plane.model_ready(model)
+        return _json(self.plane.tracer.settings(model))
+
+    async def trace_update(self, request: web.Request) -> web.Response:
+        model = request.match_info.get("model", "")
+        if model:
+            self.plane.model_ready(model)
+        return _json(self.plane.tracer.update(await self._body(request, "trace setting"), model))
+
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
     async def infer(self, request: web.Request) -> web.Response:
+        received = time.perf_counter_ns()
         body = await codec.read_body(request, self.max_json_size, json_only=codec.HEADER_LENGTH not in request.headers)
         model, version = request.match_info["model"], _version(request)
         json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
@@ -223,7 +237,10 @@ class HttpHandlers:
             infer_request = codec.decode_raw_request(model, version, metadata, batching, body)
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
+        trace = self.plane.tracer.begin(infer_request, "HTTP", received)
         response = await self.plane.infer(infer_request)
+        if trace is not None:
+            trace.stamp("HTTP_SEND_START")
         payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
         if header_len is None:
             reply = web.Response(body=payload, content_type="application/json")
@@ -235,6 +252,9 @@ class HttpHandlers:
             )
         if len(payload) >= COMPRESS_MIN_BYTES and "Accept-Encoding" in request.headers:
             reply.enable_compression()  # gzip or deflate, as the client accepts
+        if trace is not None:  # the response is built; aiohttp writes it after this returns
+            trace.stamp("HTTP_SEND_END")
+            self.plane.tracer.finish(trace)
         return reply
 
 
@@ -303,8 +323,10 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
     r.add_post(shm + "/region/{region}/unregister", h.shm_unregister)
     r.add_get("/v2/logging", h.logging_get)
     r.add_post("/v2/logging", h.logging_update)
-    for path in ("/v2/cudasharedmemory/{tail:.*}", "/v2/trace/setting", "/v2/models/{model}/trace/setting"):
-        r.add_route("*", path, h.not_yet)
+    for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
+        r.add_get(path, h.trace_get)
+        r.add_post(path, h.trace_update)
+    r.add_route("*", "/v2/cudasharedmemory/{tail:.*}", h.not_yet)
     openai.add_routes(app, plane, max_input_size)
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)

@@ -1,0 +1,257 @@
+"""Triton's request tracing (trace extension, `--trace-config`): sampled requests record
+timestamps (and, at level TENSORS, their tensors) into a JSON trace file.
+
+Settings are global, and a model may override any of them (an update with `null` drops the
+override). Values travel as strings, `trace_level` as a list, as in Triton's API. A request is
+traced when its model's level is not OFF, `trace_count` is not used up (-1: unlimited) and it is
+the `trace_rate`-th request of that model since the rate was set. Finished traces are buffered and
+written as one JSON array per file: every `log_frequency` traces to `<trace_file>.<n>` (n counts
+from 0), or, with `log_frequency` 0, to `<trace_file>` itself at shutdown.
+
+Timestamps are the monotonic clock in ns (perf_counter_ns), named as Triton's: the frontend's
+(HTTP_RECV_START/END, HTTP_SEND_START/END; GRPC_WAITREAD_START/END, GRPC_SEND_START/END for
+gRPC), the server's (REQUEST_START, QUEUE_START, REQUEST_END) and the backend's (COMPUTE_START,
+COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_END). With tracing off, a request costs one
+attribute check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.errors import ErrorCode, PierError, invalid_arg
+
+log = logging.getLogger("pier.trace")
+
+LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+KEYS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file")  # Triton's order
+DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+                            "log_frequency": "0", "trace_file": ""}
+
+
+@dataclass(slots=True)
+class Trace:
+    """One traced request: its records in the order they happened, as Triton writes them (one
+    object per timestamp; the model's object when the server takes the request)."""
+
+    id: int
+    model_name: str
+    request_id: str
+    timestamps: bool  # level TIMESTAMPS
+    tensors: bool  # level TENSORS
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def stamp(self, name: str, ns: int | None = None) -> None:
+        if self.timestamps:
+            self.records.append({"id": self.id, "timestamps": [
+                {"name": name, "ns": time.perf_counter_ns() if ns is None else ns}]})
+
+    def start(self, model_version: int) -> None:
+        """The server took the request (REQUEST_START)."""
+        if self.timestamps:
+            head: dict[str, Any] = {"id": self.id, "model_name": self.model_name, "model_version": model_version}
+            if self.request_id:
+                head["request_id"] = self.request_id
+            self.records.append(head)
+        self.stamp("REQUEST_START")
+
+    def compute(self, picked_ns: int, start_ns: int, end_ns: int, done_ns: int) -> None:
+        """The backend's four timestamps (an instance took the job, inputs ready, execute
+        returned, outputs ready)."""
+        for name, ns in (("COMPUTE_START", picked_ns), ("COMPUTE_INPUT_END", start_ns),
+                         ("COMPUTE_OUTPUT_START", end_ns), ("COMPUTE_END", done_ns)):
+            self.stamp(name, ns)
+
+    def tensor(self, activity: str, name: str, datatype: str, shape: list[int], data: np.ndarray) -> None:
+        if not self.tensors:
+            return
+        values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in data.ravel().tolist()]
+        self.records.append({"id": self.id, "activity": activity, "tensor": {
+            "name": name, "data": ",".join(str(v) for v in values), "shape": ",".join(str(d) for d in shape),
+            "dtype": datatype}})
+
+
+def _check(key: str, value: Any) -> Any:
+    """A setting as the API gives it (string, or list of strings for trace_level), normalised."""
+    if key == "trace_level":
+        if not isinstance(value, list):
+            raise invalid_arg("'trace_level' must be an array of strings (OFF, TIMESTAMPS, TENSORS)")
+        if not all(isinstance(v, str) and v in LEVELS for v in value):
+            raise invalid_arg(f"invalid value for 'trace_level': {value!r} (expected OFF, TIMESTAMPS or TENSORS)")
+        return ["OFF"] if "OFF" in value else sorted(set(value), key=LEVELS.index)
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):  # Triton's API carries every value as a string
+        raise invalid_arg(f"'{key}' must be a string")
+    if key == "trace_file":
+        return value
+    low = {"trace_rate": 1, "trace_count": -1, "log_frequency": 0}[key]
+    try:
+        number = int(value)
+    except ValueError:
+        number = low - 1
+    if number < low:
+        raise invalid_arg(f"Unable to parse '{key}'. Expecting value >= {low}, got:{value}")
+    return str(number)
+
+
+class _Scope:
+    """The settings of one scope (global, or one model's overrides) and its sampling state."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.seen = 0  # requests since the rate was set
+
+
+class Tracer:
+    def __init__(self, settings: dict[str, Any] | None = None) -> None:
+        values = dict(DEFAULTS)
+        for key, value in (settings or {}).items():
+            values[key] = _check(key, value)
+        self._global = _Scope(values)
+        self._models: dict[str, _Scope] = {}
+        self._ids = itertools.count(1)
+        self._buffer: list[dict[str, Any]] = []  # finished traces' records, for the current file
+        self._file_index = 0
+        self._pending = 0  # traces in the buffer
+        self.on = self._active()
+
+    # ---- settings --------------------------------------------------------------------------
+
+    def settings(self, model: str = "") -> dict[str, Any]:
+        values = dict(self._global.values)
+        if model and model in self._models:
+            values.update(self._models[model].values)
+        return {**{k: (list(v) if isinstance(v, list) else v) for k, v in values.items()}, "trace_mode": "triton"}
+
+    def update(self, changes: dict[str, Any], model: str = "") -> dict[str, Any]:
+        """Apply an update (all keys checked first; `None` or an empty list clears a model's
+        override, or resets a global setting to its default); return the scope's settings.
+        Unknown keys are ignored, as Triton does."""
+        checked: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key in KEYS:
+                checked[key] = None if value is None or value == [] else _check(key, value)
+        if "trace_file" in checked and checked["trace_file"] != self.settings(model)["trace_file"]:
+            raise PierError(ErrorCode.UNSUPPORTED, "trace file location can not be updated through network protocol")
+        if model:
+            scope = self._models.setdefault(model, _Scope({}))
+            for key, value in checked.items():
+                if value is None:
+                    scope.values.pop(key, None)
+                else:
+                    scope.values[key] = value
+            scope.seen = 0
+        else:
+            for key, value in checked.items():
+                self._global.values[key] = DEFAULTS[key] if value is None else value
+            self._global.seen = 0
+        self.on = self._active()
+        return self.settings(model)
+
+    def _active(self) -> bool:
+        scopes = [self._global.values, *({**self._global.values, **m.values} for m in self._models.values())]
+        return any(s["trace_level"] != ["OFF"] and s["trace_count"] != "0" and s["trace_file"] for s in scopes)
+
+    # ---- tracing ---------------------------------------------------------------------------
+
+    def sample(self, model: str, request_id: str = "") -> Trace | None:
+        """A trace for this request if its model's settings sample it (call only when `on`)."""
+        scope = self._models.get(model)
+        values = {**self._global.values, **scope.values} if scope is not None else self._global.values
+        if values["trace_level"] == ["OFF"] or values["trace_count"] == "0" or not values["trace_file"]:
+            return None
+        counter = scope if scope is not None and "trace_rate" in scope.values else self._global
+        counter.seen += 1
+        if (counter.seen - 1) % int(values["trace_rate"]):
+            return None
+        if values["trace_count"] != "-1":
+            owner = scope if scope is not None and "trace_count" in scope.values else self._global
+            owner.values["trace_count"] = str(int(values["trace_count"]) - 1)
+            self.on = self._active()
+        levels = values["trace_level"]
+        return Trace(next(self._ids), model, request_id, "TIMESTAMPS" in levels, "TENSORS" in levels)
+
+    def begin(self, request: Any, protocol: str, received_ns: int) -> Trace | None:
+        """A frontend samples `request` (HTTP or GRPC): its trace starts with the frontend's
+        receive timestamps; untraced requests are marked so the data plane does not sample them
+        again."""
+        trace = self.sample(request.model_name, request.id) if self.on else None
+        if trace is not None:
+            start, end = ("HTTP_RECV_START", "HTTP_RECV_END") if protocol == "HTTP" else \
+                ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END")
+            trace.stamp(start, received_ns)
+            trace.stamp(end)
+        request.trace = trace if trace is not None else False
+        return trace
+
+    def finish(self, trace: Trace) -> None:
+        self._buffer += trace.records
+        self._pending += 1
+        frequency = int(self._global.values["log_frequency"])
+        if frequency and (self._pending >= frequency or not self.on):  # as Triton: the last of trace_count too
+            self.flush()
+
+    def flush(self, final: bool = False) -> None:
+        """Write the buffered traces: to `<file>.<n>` when log_frequency is set, else (only when
+        `final`) to `<file>`."""
+        if not self._buffer:
+            return
+        path = self._global.values["trace_file"]
+        frequency = int(self._global.values["log_frequency"])
+        if not frequency and not final:
+            return
+        if frequency:
+            path = f"{path}.{self._file_index}"
+            self._file_index += 1
+        try:
+            with open(path, "w") as f:
+                json.dump(self._buffer, f)
+        except OSError as exc:
+            log.error("cannot write trace file '%s': %s", path, exc)
+        self._buffer, self._pending = [], 0
+
+    def close(self) -> None:
+        self.flush(final=True)
+
+
+_CONFIG_KEYS = {"file": "trace_file", "log-frequency": "log_frequency", "rate": "trace_rate",
+                "count": "trace_count", "level": "trace_level"}
+
+
+def parse_trace_config(items: list[str]) -> dict[str, Any]:
+    """tritonserver's `--trace-config [triton,]key=value` items -> settings (`level` may repeat).
+    Only the `triton` mode is implemented."""
+    settings: dict[str, Any] = {}
+    for item in items:
+        spec = item
+        if "," in item.split("=", 1)[0]:
+            mode, spec = item.split(",", 1)
+            if mode != "triton":
+                raise ValueError(f"--trace-config: trace mode '{mode}' is not supported (only 'triton')")
+        key, sep, value = spec.partition("=")
+        if key == "mode":
+            if value != "triton":
+                raise ValueError(f"--trace-config: trace mode '{value}' is not supported (only 'triton')")
+            continue
+        if not sep or key not in _CONFIG_KEYS:
+            raise ValueError(f"--trace-config: unknown setting '{item}' (expected file, log-frequency, rate, "
+                             "count, level or mode)")
+        name = _CONFIG_KEYS[key]
+        if name == "trace_level":
+            settings.setdefault(name, []).append(value.upper())
+        else:
+            settings[name] = value
+    try:
+        for name, value in settings.items():
+            _check(name, value)
+    except PierError as exc:
+        raise ValueError(f"--trace-config: {exc.message}") from None
+    return settings
