@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -221,7 +222,8 @@ def write_report(res: dict[str, Any], name: str) -> None:
     thr = res["throughput"]
     pier = thr["pier"]["tok_s"]
     lines = [f"# LLM engine: {res['workload']}", "", f"Machine: {res['machine']}. One run; noisy 2-core CPU. "
-             "Every engine runs once per round, rounds alternate; each row is the median round (all listed).", "",
+             "Every engine runs once per round, rounds alternate; each row is the median round (all listed); "
+             "Pier ÷ this is the median of the per-round ratios.", "",
              "| engine | generated tokens | wall s | output tok/s | Pier ÷ this |", "|---|---|---|---|---|"]
     for key, label in (("pier", "Pier engine (continuous batching, paged KV)"),
                        ("hf_sequential", "transformers generate, one request at a time"),
@@ -231,7 +233,7 @@ def write_report(res: dict[str, Any], name: str) -> None:
         if isinstance(r, dict):
             each = f" (rounds: {' / '.join(str(x) for x in r['rounds_tok_s'])})" if "rounds_tok_s" in r else ""
             lines.append(f"| {label} | {r['generated_tokens']} | {r['wall_s']:.2f} | {r['tok_s']:.1f}{each} | "
-                         f"{pier / r['tok_s']:.2f}x |")
+                         f"{r.get('ratio') or pier / r['tok_s']:.2f}x |")
         elif r is not None:
             lines.append(f"| {label} | – | – | – | {r} |")
     kv = res["kv_memory"]
@@ -311,8 +313,8 @@ def main() -> None:
     notes = []
     # This machine's speed drifts by 20 % within minutes (other sessions share it), so every engine
     # runs once per round, the rounds alternate, and each engine reports its median round (every
-    # round is kept in the JSON and listed in the table). Ratios are then of medians taken over the
-    # same stretch of time, not of one baseline run against Pier's best of three.
+    # round is kept in the JSON and listed in the table). Ratios are the median of the per-round
+    # ratios: each compares engines that shared the same stretch of machine time.
     engines: list[tuple[str, Any]] = [
         ("pier", lambda: run_pier(folder, reqs, **pier_cfg)),
         ("vllm", lambda: run_vllm(folder, reqs, a.vllm_dir)),
@@ -352,8 +354,16 @@ def main() -> None:
     pier = thr["pier"]["tok_s"]
 
     def ratio(key: str) -> float | None:
-        r = thr.get(key)
+        """The median of Pier ÷ engine within each round (paired: the same stretch of machine
+        time), as bench/report.py computes its ratios; else the ratio of the median rounds."""
+        runs, r = rounds.get(key) or [], thr.get(key)
+        if len(runs) >= 2 and len(runs) == len(rounds["pier"]):
+            return statistics.median(p["tok_s"] / x["tok_s"] for p, x in zip(rounds["pier"], runs))
         return pier / r["tok_s"] if isinstance(r, dict) else None
+
+    for key, r in thr.items():
+        if isinstance(r, dict):
+            r["ratio"] = ratio(key)
 
     targets = [
         {"text": "Pier ≥ 3x transformers static batches of 8", "value": ratio("hf_static8"), "threshold": 3.0},
