@@ -227,7 +227,12 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
 
 
 def _has_non_finite(t: Tensor) -> bool:
-    return t.data.dtype.kind == "f" and t.data.size > 0 and not bool(np.isfinite(t.data).all())
+    data = t.data
+    if data.dtype.kind != "f" or not data.size:
+        return False
+    if data.size <= 256:  # numpy's per-call overhead dominates small tensors
+        return not all(map(math.isfinite, data.ravel().tolist()))
+    return not bool(np.isfinite(data).all())
 
 
 def encode_response(response: InferenceResponse, request: InferenceRequest,
