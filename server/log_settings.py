@@ -98,8 +98,9 @@ def update(changes: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(value, bool):
                 raise invalid_arg(f"invalid value type for '{key}': expected a boolean, got {value!r}")
         elif key == "log_verbose_level":
-            if type(value) is not int or value < 0:
-                raise invalid_arg(f"invalid value for 'log_verbose_level': expected an integer >= 0, got {value!r}")
+            if type(value) is not int or not 0 <= value <= 0xFFFFFFFF:  # gRPC carries it as uint32
+                raise invalid_arg(f"invalid value for 'log_verbose_level': expected an integer from 0 to "
+                                  f"4294967295, got {value!r}")
         elif key == "log_format":
             if value not in FORMATS:
                 raise invalid_arg(f"invalid argument for log_format, got: {value}")

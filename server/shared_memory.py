@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,7 @@ def without_placement(params: dict[str, Any]) -> dict[str, Any]:
 class SystemSharedMemory:
     def __init__(self) -> None:
         self._regions: dict[str, _Region] = {}
+        self._users: dict[str, int] = {}  # region -> requests in flight that name it (see `use`)
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if name in self._regions:
@@ -115,8 +117,12 @@ class SystemSharedMemory:
         self._regions[name] = _Region(name, key, offset, byte_size, fd, mm)
 
     def unregister(self, name: str = "") -> None:
-        """One region, or all when `name` is empty; an unknown name is not an error (as Triton)."""
+        """One region, or all when `name` is empty; an unknown name is not an error (as Triton).
+        A region that a request in flight names cannot go (nothing is unregistered then)."""
         names = [name] if name else list(self._regions)
+        for n in names:
+            if self._users.get(n):
+                raise invalid_arg(f"Cannot unregister shared memory region '{n}', it is currently in use.")
         for n in names:
             region = self._regions.pop(n, None)
             if region is not None:
@@ -161,7 +167,21 @@ class SystemSharedMemory:
         region.mm[start:start + len(blob)] = blob
 
     def close(self) -> None:
+        self._users.clear()
         self.unregister()
+
+    def use(self, names: Sequence[str]) -> None:
+        """Requests in flight hold the regions they name, from decode to their answer (`done`)."""
+        for n in names:
+            self._users[n] = self._users.get(n, 0) + 1
+
+    def done(self, names: Sequence[str]) -> None:
+        for n in names:
+            left = self._users.get(n, 0) - 1
+            if left > 0:
+                self._users[n] = left
+            else:
+                self._users.pop(n, None)
 
 
 # ---- what the frontends' codecs call --------------------------------------------------------
@@ -195,3 +215,18 @@ def write_output(shm: SystemSharedMemory, t: Tensor, params: dict[str, Any]) -> 
         return False
     shm.write(where, to_raw(t.data, t.datatype), t.name)
     return True
+
+
+def regions_named(inputs: list[Any], outputs: list[Any]) -> tuple[str, ...]:
+    """The regions a decoded request names: `inputs` as JSON objects (HTTP) or protobuf tensors
+    (gRPC) whose parameters name them, `outputs` as RequestedOutputs."""
+    names = []
+    for t in inputs:
+        params = t.get("parameters") if isinstance(t, dict) else t.parameters
+        if params and "shared_memory_region" in params:
+            region = params["shared_memory_region"]
+            names.append(region if isinstance(region, str) else region.string_param)
+    for o in outputs:
+        if "shared_memory_region" in o.parameters:
+            names.append(o.parameters["shared_memory_region"])
+    return tuple(names)

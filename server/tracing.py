@@ -85,6 +85,8 @@ def _check(key: str, value: Any) -> Any:
             raise invalid_arg("'trace_level' must be an array of strings (OFF, TIMESTAMPS, TENSORS)")
         if not all(isinstance(v, str) and v in LEVELS for v in value):
             raise invalid_arg(f"invalid value for 'trace_level': {value!r} (expected OFF, TIMESTAMPS or TENSORS)")
+        if "OFF" in value and len(set(value)) > 1:
+            raise invalid_arg("'trace_level' cannot combine OFF with other levels")
         return ["OFF"] if "OFF" in value else sorted(set(value), key=LEVELS.index)
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
@@ -97,6 +99,8 @@ def _check(key: str, value: Any) -> Any:
         number = int(value)
     except ValueError:
         number = low - 1
+    if number > 0xFFFFFFFF:
+        raise invalid_arg(f"Unable to parse '{key}'. Value out of range: {value}")  # Triton holds 32 bits
     if number < low:
         raise invalid_arg(f"Unable to parse '{key}'. Expecting value >= {low}, got:{value}")
     return str(number)
@@ -142,7 +146,9 @@ class Tracer:
         if "trace_file" in checked and checked["trace_file"] != self.settings(model)["trace_file"]:
             raise PierError(ErrorCode.UNSUPPORTED, "trace file location can not be updated through network protocol")
         if model:
-            scope = self._models.setdefault(model, _Scope({}))
+            if model not in self._models:  # as Triton: a model's override counts its own traces
+                self._models[model] = _Scope({"trace_count": self._global.values["trace_count"]})
+            scope = self._models[model]
             for key, value in checked.items():
                 if value is None:
                     scope.values.pop(key, None)
@@ -170,7 +176,7 @@ class Tracer:
             return None
         counter = scope if scope is not None and "trace_rate" in scope.values else self._global
         counter.seen += 1
-        if (counter.seen - 1) % int(values["trace_rate"]):
+        if counter.seen % int(values["trace_rate"]):  # as Triton: the rate-th request, the 2*rate-th, ...
             return None
         if values["trace_count"] != "-1":
             owner = scope if scope is not None and "trace_count" in scope.values else self._global

@@ -47,6 +47,7 @@ class InferenceRequest:
     response_sink: Callable[[Any, bool], None] | None = None
     cancelled: bool = False  # the client went away (decoupled streams): models may stop early
     trace: Any = None  # server.tracing.Trace when traced; False when its frontend sampled it out
+    shm_regions: tuple[str, ...] = ()  # shared-memory regions its inputs and outputs name
 
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]

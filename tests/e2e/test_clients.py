@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -173,9 +175,13 @@ def test_grpc_health_service(pier):
 def test_unimplemented_rpcs_say_so(pier):
     client = grpcclient.InferenceServerClient(pier.grpc_url)
     with pytest.raises(InferenceServerException) as err:
-        client.get_cuda_shared_memory_status()
+        client.register_cuda_shared_memory("r", base64.b64encode(b"not-a-handle"), 0, 64)
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
     assert "not implemented" in err.value.message()
+    # Nothing CUDA can be registered: status is empty and unregister is a no-op, as on Triton
+    # without GPUs (perf_analyzer's shared-memory cleanup calls both).
+    assert not client.get_cuda_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()
 
 
 def test_grpc_model_ready_is_false_for_unknown_models(pier):

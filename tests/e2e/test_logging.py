@@ -91,6 +91,7 @@ def test_bad_updates_are_refused_and_change_nothing(server):
         ({"log_file": "/tmp/elsewhere.log"}, 501, "log file location can not be updated through network protocol"),
         ({"log_format": "xml"}, 400, "invalid argument for log_format, got: xml"),
         ({"log_verbose_level": -1}, 400, "log_verbose_level"),
+        ({"log_verbose_level": 4294967296}, 400, "log_verbose_level"),  # gRPC carries it as uint32
         ({"log_info": "yes"}, 400, "log_info"),
         ({"log_error": False, "log_warning": 3}, 400, "log_warning"),  # nothing applies, not even log_error
         ([], 400, "must be a JSON object"),

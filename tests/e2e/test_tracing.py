@@ -5,6 +5,7 @@ JSON layout (checked against Triton 2.51's own files), and bad settings refused.
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 import time
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_tracing_is_off_by_default(server):
 def test_sampled_http_requests_are_written_every_log_frequency_traces(server):
     r = _update(server, {"trace_level": ["TIMESTAMPS"], "trace_rate": "2", "trace_count": "3", "log_frequency": "2"})
     assert r.status_code == 200 and r.json()["trace_count"] == "3", r.text
-    for i in range(8):  # rate 2: requests 0, 2, 4 are traced, then the count is used up
+    for i in range(8):  # rate 2: as Triton, the 2nd, 4th and 6th are traced, then the count is used up
         _infer_identity(server, f"r{i}")
     first, second = _wait_for(Path(f"{server.trace_file}.0")), _wait_for(Path(f"{server.trace_file}.1"))
     traces = {**_traces(first), **_traces(second)}
@@ -89,7 +90,7 @@ def test_sampled_http_requests_are_written_every_log_frequency_traces(server):
         assert [ns[n] for n in HTTP_ORDER if n != "INFER_RESPONSE_COMPLETE"] == sorted(
             ns[n] for n in HTTP_ORDER if n != "INFER_RESPONSE_COMPLETE")
     assert sorted(next(r for r in rs if "model_name" in r)["request_id"] for rs in traces.values()) == \
-        ["r0", "r2", "r4"]
+        ["r1", "r3", "r5"]
 
 
 def test_a_model_override_traces_grpc_requests_with_tensors(server):
@@ -121,6 +122,27 @@ def test_a_model_override_traces_grpc_requests_with_tensors(server):
     assert _settings(server, "simple") == _settings(server)
 
 
+def test_requests_on_a_grpc_stream_are_traced_like_single_calls(server):
+    r = _update(server, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}, model="simple")
+    assert r.status_code == 200, r.text
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    for t in inputs:
+        t.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    client.async_stream_infer("simple", inputs, request_id="s1")
+    result, error = answers.get(timeout=30)
+    client.stop_stream()
+    assert error is None, error
+    (records,) = _traces(_wait_for(Path(f"{server.trace_file}.3"))).values()
+    names = [r["timestamps"][0]["name"] for r in records if "timestamps" in r]
+    assert names == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *HTTP_ORDER[2:-2], "GRPC_SEND_START",
+                     "GRPC_SEND_END"], names
+    assert next(r for r in records if "model_name" in r)["request_id"] == "s1"
+    _update(server, {"trace_level": None, "trace_rate": None, "trace_count": None}, model="simple")
+
+
 def test_bad_settings_are_refused(server):
     before = _settings(server)
     for body, status, text in (
@@ -129,6 +151,8 @@ def test_bad_settings_are_refused(server):
         ({"trace_rate": 5}, 400, "'trace_rate' must be a string"),
         ({"trace_level": "TIMESTAMPS"}, 400, "'trace_level' must be an array"),
         ({"trace_level": ["LOUD"]}, 400, "invalid value for 'trace_level'"),
+        ({"trace_level": ["TIMESTAMPS", "OFF"]}, 400, "cannot combine OFF"),
+        ({"trace_rate": "99999999999"}, 400, "out of range"),
         ({"trace_file": "/tmp/elsewhere.json"}, 501, "trace file location can not be updated through network protocol"),
         ({"trace_rate": "1", "log_frequency": "x"}, 400, "log_frequency"),  # nothing applies
     ):

@@ -81,3 +81,19 @@ def test_grpc_raw_contents_pair_with_the_inputs_not_in_shared_memory(region):
         codec.decode_request(_request(["B"], []), manager)
     with pytest.raises(PierError, match="not supported"):
         codec.decode_request(_request(["B"], ["A"]), None)
+
+
+def test_a_region_in_use_cannot_be_unregistered(region):
+    manager, key, _ = region
+    manager.register("busy", key, 0, 64)
+    manager.use(("busy", "busy"))  # two requests in flight name it
+    with pytest.raises(PierError, match="Cannot unregister shared memory region 'busy', it is currently in use"):
+        manager.unregister("busy")
+    with pytest.raises(PierError, match="currently in use"):
+        manager.unregister()  # unregister-all leaves everything registered
+    manager.done(("busy",))
+    with pytest.raises(PierError, match="currently in use"):
+        manager.unregister("busy")
+    manager.done(("busy",))
+    manager.unregister("busy")
+    assert manager.status() == []

@@ -11,7 +11,14 @@ import numpy as np
 from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, to_raw
 from server.errors import invalid_arg, unsupported
 from server.protocol import grpc_service_pb2 as pb
-from server.shared_memory import SystemSharedMemory, check_output, read_input, without_placement, write_output
+from server.shared_memory import (
+    SystemSharedMemory,
+    check_output,
+    read_input,
+    regions_named,
+    without_placement,
+    write_output,
+)
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from server.validation import check_parameters
 
@@ -125,7 +132,10 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
     if req.parameters:
         params = params_dict(req.parameters)
         check_parameters(params)
-    return InferenceRequest(model, req.model_version, inputs, outputs, req.id, params)
+    request = InferenceRequest(model, req.model_version, inputs, outputs, req.id, params)
+    if shm is not None and (len(raw) != len(req_inputs) or outputs):
+        request.shm_regions = regions_named(list(req_inputs), outputs)
+    return request
 
 
 def _from_contents(t: Any, datatype: str, shape: list[int], model: str) -> np.ndarray:

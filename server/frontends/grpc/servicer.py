@@ -16,12 +16,13 @@ from google.protobuf import json_format
 from server import log_settings
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError, unsupported
+from server.errors import ErrorCode, PierError, not_found, unsupported
 from server.frontends.grpc import codec
 from server.frontends.grpc.errors import grpc_code
 from server.protocol import grpc_service_pb2 as pb
 from server.protocol import grpc_service_pb2_grpc as pb_grpc
 from server.protocol import health_pb2, health_pb2_grpc
+from server.types import InferenceRequest
 
 log = logging.getLogger("pier.grpc")
 
@@ -124,19 +125,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         shm = self.plane.shared_memory
         if self.plane.tracer.on:
-            return await self._traced_infer(request, shm)
+            return await self._infer_one(request, time.perf_counter_ns())
         infer_request = codec.decode_request(request, shm)
+        if infer_request.shm_regions:
+            return await self._infer_one(request, 0, infer_request)
         return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
 
-    async def _traced_infer(self, request: pb.ModelInferRequest, shm: Any) -> pb.ModelInferResponse:
-        """ModelInfer with Triton's gRPC trace timestamps (the request was read before the handler ran)."""
-        received = time.perf_counter_ns()
-        infer_request = codec.decode_request(request, shm)
-        trace = self.plane.tracer.begin(infer_request, "GRPC", received)
-        response = await self.plane.infer(infer_request)
-        if trace is not None:
-            trace.stamp("GRPC_SEND_START")
-        out = codec.encode_response(response, infer_request, shm)
+    async def _infer_one(self, request: pb.ModelInferRequest, received: int,
+                         infer_request: InferenceRequest | None = None) -> pb.ModelInferResponse:
+        """ModelInfer with what the plain path skips: Triton's gRPC trace timestamps (the request
+        was read before the handler ran) and holding the shared-memory regions it names."""
+        shm = self.plane.shared_memory
+        if infer_request is None:
+            infer_request = codec.decode_request(request, shm)
+        trace = self.plane.tracer.begin(infer_request, "GRPC", received) if received else None
+        regions = infer_request.shm_regions
+        shm.use(regions)
+        try:
+            response = await self.plane.infer(infer_request)
+            if trace is not None:
+                trace.stamp("GRPC_SEND_START")
+            out = codec.encode_response(response, infer_request, shm)
+        finally:
+            shm.done(regions)
         if trace is not None:
             trace.stamp("GRPC_SEND_END")
             self.plane.tracer.finish(trace)
@@ -160,6 +171,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def run(req: pb.ModelInferRequest, after: asyncio.Future, mine: asyncio.Future) -> None:
             try:
                 try:
+                    received = time.perf_counter_ns() if self.plane.tracer.on else 0
                     request = codec.decode_request(req, self.plane.shared_memory)
                     decoupled = self.plane.is_decoupled(request.model_name, request.model_version)
                 except PierError as exc:
@@ -168,7 +180,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     return
                 if not decoupled:
                     try:
-                        resp = codec.encode_response(await self.plane.infer(request), request, self.plane.shared_memory)
+                        resp = await self._infer_one(req, received, request)
                         resp.parameters["triton_final_response"].bool_param = True
                         message = pb.ModelStreamInferResponse(infer_response=resp)
                     except PierError as exc:
@@ -183,16 +195,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
                 after.add_done_callback(chain)
                 empty_final = request.parameters.get("triton_enable_empty_final_response") is True
-                async for item in self.plane.infer_stream(request):
-                    if isinstance(item, PierError):
-                        out.put_nowait(error(req, item))
-                        continue
-                    final = bool(item.parameters.get("triton_final_response"))
-                    if final and not item.outputs and not empty_final:
-                        continue
-                    resp = codec.encode_response(item, request, self.plane.shared_memory)
-                    resp.parameters["triton_final_response"].bool_param = final
-                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
+                self.plane.shared_memory.use(request.shm_regions)
+                try:
+                    async for item in self.plane.infer_stream(request):
+                        if isinstance(item, PierError):
+                            out.put_nowait(error(req, item))
+                            continue
+                        final = bool(item.parameters.get("triton_final_response"))
+                        if final and not item.outputs and not empty_final:
+                            continue
+                        resp = codec.encode_response(item, request, self.plane.shared_memory)
+                        resp.parameters["triton_final_response"].bool_param = final
+                        out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
+                finally:
+                    self.plane.shared_memory.done(request.shm_regions)
             except PierError as exc:  # the request was refused (validation) before it produced anything
                 out.put_nowait(error(req, exc))
             except Exception as exc:  # never lose the stream over one request
@@ -247,9 +263,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                            context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
         self.plane.shared_memory.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
-    CudaSharedMemoryStatus = _not_yet("CudaSharedMemoryStatus (CUDA shared memory)")
+    @_translate
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context: Any) -> pb.CudaSharedMemoryStatusResponse:
+        """No CUDA region can be registered here: none to list (a named one is unknown)."""
+        if request.name:
+            raise not_found(f"Unable to find cuda shared memory region: '{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
     CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
-    CudaSharedMemoryUnregister = _not_yet("CudaSharedMemoryUnregister (CUDA shared memory)")
+    @_translate
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()  # nothing registered: nothing to do (as Triton)
     @_translate
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> pb.TraceSettingResponse:
         """An empty value list resets the setting (a model's falls back to the global one)."""

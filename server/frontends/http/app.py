@@ -189,9 +189,9 @@ class HttpHandlers:
         doc = await self._body(request, "shared memory register")
         fields = []
         for key in ("key", "offset", "byte_size"):
-            if key not in doc:
+            if key not in doc and key != "offset":  # as Triton: the offset defaults to 0
                 raise invalid_arg(f"Shared memory register request has no '{key}' field")
-            value = doc[key]
+            value = doc.get(key, 0)
             ok = isinstance(value, str) if key == "key" else type(value) is int and value >= 0
             if not ok:
                 raise invalid_arg(f"Shared memory register request's '{key}' must be "
@@ -202,6 +202,15 @@ class HttpHandlers:
 
     async def shm_unregister(self, request: web.Request) -> web.Response:
         self.plane.shared_memory.unregister(request.match_info.get("region", ""))
+        return _empty(200)
+
+    async def cuda_shm_status(self, request: web.Request) -> web.Response:
+        region = request.match_info.get("region", "")
+        if region:
+            raise PierError(ErrorCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'")
+        return _json([])
+
+    async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
         return _empty(200)
 
     async def logging_get(self, request: web.Request) -> web.Response:
@@ -238,10 +247,17 @@ class HttpHandlers:
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
         trace = self.plane.tracer.begin(infer_request, "HTTP", received)
-        response = await self.plane.infer(infer_request)
-        if trace is not None:
-            trace.stamp("HTTP_SEND_START")
-        payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
+        regions = infer_request.shm_regions
+        if regions:
+            self.plane.shared_memory.use(regions)
+        try:
+            response = await self.plane.infer(infer_request)
+            if trace is not None:
+                trace.stamp("HTTP_SEND_START")
+            payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
+        finally:
+            if regions:
+                self.plane.shared_memory.done(regions)
         if header_len is None:
             reply = web.Response(body=payload, content_type="application/json")
         else:
@@ -326,7 +342,12 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
         r.add_get(path, h.trace_get)
         r.add_post(path, h.trace_update)
-    r.add_route("*", "/v2/cudasharedmemory/{tail:.*}", h.not_yet)
+    cuda = "/v2/cudasharedmemory"  # CUDA regions cannot be registered yet: empty status, no-op unregister
+    r.add_get(cuda + "/status", h.cuda_shm_status)
+    r.add_get(cuda + "/region/{region}/status", h.cuda_shm_status)
+    r.add_post(cuda + "/unregister", h.cuda_shm_unregister)
+    r.add_post(cuda + "/region/{region}/unregister", h.cuda_shm_unregister)
+    r.add_route("*", cuda + "/{tail:.*}", h.not_yet)
     openai.add_routes(app, plane, max_input_size)
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)

@@ -17,7 +17,14 @@ from aiohttp import web
 from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg, unsupported
 from server.frontends.json_data import array_from_json, array_to_json
-from server.shared_memory import SystemSharedMemory, check_output, read_input, without_placement, write_output
+from server.shared_memory import (
+    SystemSharedMemory,
+    check_output,
+    read_input,
+    regions_named,
+    without_placement,
+    write_output,
+)
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from server.validation import check_parameters
 
@@ -145,7 +152,10 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
         outputs.append(RequestedOutput(item["name"], params))
     params = _dict(doc.get("parameters"), "parameters")
     check_parameters(params)
-    return InferenceRequest(model, version, inputs, outputs, rid, params)
+    request = InferenceRequest(model, version, inputs, outputs, rid, params)
+    if shm is not None:
+        request.shm_regions = regions_named(raw_inputs, outputs)
+    return request
 
 
 def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batching: bool,
