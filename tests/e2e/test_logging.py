@@ -78,6 +78,7 @@ def test_updates_switch_severities_and_format_at_run_time(server):
     text = _log_after(server, mark, "unloading 'identity_fp32'")
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ I pier\.repository\] unloading 'identity_fp32'", text,
                      re.M), text
+    assert "D pier.http] HTTP request: POST /v2/repository/models/identity_fp32/unload" in text, text
     _malformed_request(server)  # aiohttp's report of it is a DEBUG line (see app._ClientMistakes)
     text = _log_after(server, mark, " D aiohttp")
     assert re.search(r"^\S+ \S+ D aiohttp", text, re.M), text  # verbose: DEBUG lines too

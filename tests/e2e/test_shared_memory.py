@@ -203,6 +203,8 @@ def test_inference_errors_name_the_problem(pier, regions):
          "bytes to hold the results"),
         (ok_in, {"shared_memory_region": "err_in", "shared_memory_byte_size": 64, "binary_data": True}, 400,
          "Output can't set both 'shared_memory_region' and 'binary_data'"),
+        (ok_in, {"shared_memory_region": "err_in", "shared_memory_byte_size": 64, "classification": 2}, 400,
+         "Output can't set both 'shared_memory_region' and 'classification'"),
     ):
         r = _post(pier, url, _identity_body(in_params, out_params))
         assert r.status_code == status and text in r.json()["error"], (in_params, out_params, r.text)

@@ -125,6 +125,8 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
             params = params_dict(o.parameters)
             check_parameters(params)
             if "classification" in params:
+                if "shared_memory_region" in params:
+                    raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
                 raise unsupported("the classification extension is not supported")
             check_output(params, shm)
             outputs.append(RequestedOutput(o.name, params))

@@ -30,6 +30,8 @@ log = logging.getLogger("pier.grpc")
 def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0
+            log.debug("gRPC request: %s", method.__name__)
         try:
             return await method(self, request, context)
         except PierError as exc:

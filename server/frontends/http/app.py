@@ -282,6 +282,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     encoding = request.headers.get("Content-Encoding")
     if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
         return error_response(501, f"Unsupported compression type '{encoding}': use gzip or deflate")
+    if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0, as Triton's request lines
+        log.debug("HTTP request: %s %s", request.method, request.path)
     try:
         return await handler(request)
     except PierError as exc:

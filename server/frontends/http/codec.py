@@ -147,6 +147,8 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
         params = _dict(item.get("parameters"), "outputs.parameters")
         check_parameters(params)
         if "classification" in params:
+            if "shared_memory_region" in params:
+                raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
             raise unsupported("the classification extension is not supported")
         check_output(params, shm)
         outputs.append(RequestedOutput(item["name"], params))
