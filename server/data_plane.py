@@ -216,6 +216,7 @@ class DataPlane:
             yield await self._infer(model, request)
             return
         batch = self._validate(model, request)
+        trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()
 
@@ -239,12 +240,19 @@ class DataPlane:
                     yield item
                 else:
                     params = {"triton_final_response": final}
-                    yield self._response(model, request, list(item or []), batch, params)
+                    response = self._response(model, request, list(item or []), batch, params)
+                    if trace is not None:  # one per response, as Triton traces decoupled models
+                        trace.stamp("INFER_RESPONSE_COMPLETE")
+                        for t in response.outputs:
+                            trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
+                    yield response
                 if final:
                     return
         finally:
             request.cancelled = True
             self._end()
+            if trace is not None:
+                self._end_trace(trace, owned, [])
 
     async def responses(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
         """`infer_stream` for callers that stop at the first error: the responses that carry

@@ -198,23 +198,23 @@ class Tracer:
         request.trace = trace if trace is not None else False
         return trace
 
+    def _value(self, model: str, key: str) -> Any:
+        scope = self._models.get(model)
+        return scope.values[key] if scope is not None and key in scope.values else self._global.values[key]
+
     def finish(self, trace: Trace) -> None:
         self._buffer += trace.records
         self._pending += 1
-        frequency = int(self._global.values["log_frequency"])
+        frequency = int(self._value(trace.model_name, "log_frequency"))  # the traced model's setting
         if frequency and (self._pending >= frequency or not self.on):  # as Triton: the last of trace_count too
-            self.flush()
+            self.flush(indexed=True)
 
-    def flush(self, final: bool = False) -> None:
-        """Write the buffered traces: to `<file>.<n>` when log_frequency is set, else (only when
-        `final`) to `<file>`."""
+    def flush(self, indexed: bool) -> None:
+        """Write the buffered traces to `<file>.<n>` (`indexed`, log_frequency set) or `<file>`."""
         if not self._buffer:
             return
         path = self._global.values["trace_file"]
-        frequency = int(self._global.values["log_frequency"])
-        if not frequency and not final:
-            return
-        if frequency:
+        if indexed:
             path = f"{path}.{self._file_index}"
             self._file_index += 1
         try:
@@ -225,7 +225,8 @@ class Tracer:
         self._buffer, self._pending = [], 0
 
     def close(self) -> None:
-        self.flush(final=True)
+        """At shutdown: what is left goes to `<file>`, or to the next `<file>.<n>` once any was written."""
+        self.flush(indexed=self._file_index > 0 or int(self._global.values["log_frequency"]) > 0)
 
 
 _CONFIG_KEYS = {"file": "trace_file", "log-frequency": "log_frequency", "rate": "trace_rate",

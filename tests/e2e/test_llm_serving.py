@@ -11,6 +11,7 @@ import re
 import socket
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +40,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     (repo / "tiny_llama" / "config.pbtxt").write_text(
         'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
-    proc = start_pier([repo], log_path=repo.parent / "pier.log", timeout=120)
+    proc = start_pier([repo], f"--trace-config=triton,file={repo.parent / 'trace.json'}",
+                      log_path=repo.parent / "pier.log", timeout=120)
+    proc.trace_file = repo.parent / "trace.json"  # type: ignore[attr-defined]
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -441,6 +444,32 @@ def test_grpc_stream_deadline_cancels_the_request(server: PierProcess) -> None:
     assert _metric(server, "vllm:num_requests_running") == 0
     assert _metric(server, "vllm:kv_cache_usage_perc") == 0
     assert _metric(server, "vllm:generation_tokens_total") - generated_before < 32 * 400  # it stopped early
+
+
+def test_a_streamed_generation_is_traced(server: PierProcess) -> None:
+    """A decoupled model's request traces one INFER_RESPONSE_COMPLETE per streamed response."""
+    setting = f"{server.base()}/v2/models/tiny_llama/trace/setting"
+    r = requests.post(setting, json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                                     "log_frequency": "1"}, timeout=10)
+    assert r.status_code == 200, r.text
+    try:
+        body = {"text_input": "trace me", "sampling_parameters": json.dumps({**GREEDY, "max_tokens": 4}),
+                "stream": True}
+        r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", json=body, timeout=60)
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and len(events) >= 2, r.text
+        path = Path(f"{server.trace_file}.0")
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        records = json.loads(path.read_text())
+        names = [rec["timestamps"][0]["name"] for rec in records if "timestamps" in rec]
+        assert names[:2] == ["REQUEST_START", "QUEUE_START"] and names[-1] == "REQUEST_END", names
+        assert names.count("INFER_RESPONSE_COMPLETE") >= len(events), (names, events)
+        assert next(rec for rec in records if "model_name" in rec)["model_name"] == "tiny_llama"
+    finally:
+        requests.post(setting, json={"trace_level": None, "trace_rate": None, "trace_count": None,
+                                     "log_frequency": None}, timeout=10)
 
 
 def test_llm_metrics_are_exported(server: PierProcess) -> None:
