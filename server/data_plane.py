@@ -21,7 +21,7 @@ from server.validation import to_api_outputs, validate_request
 SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
-EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "model_configuration",
+EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
               "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "trace", "logging")
 
 
