@@ -167,6 +167,12 @@ class DataPlane:
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
         return await self._infer(model, request)
 
+    def trace_settings(self, model: str = "", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The trace extension: a model's (or the global) settings, after applying `changes`."""
+        if model:
+            self.model_ready(model)
+        return self.tracer.update(changes, model) if changes else self.tracer.settings(model)
+
     def _trace(self, model: LoadedModel, request: InferenceRequest) -> tuple[Trace | None, bool]:
         """The request's trace (one its frontend began, or one sampled here, which the plane then
         finishes: owned), stamped up to QUEUE_START. Only called when tracing is on."""

@@ -13,10 +13,11 @@ with 500 (a key that does not exist, an output region too small), Pier answers 4
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +171,16 @@ class SystemSharedMemory:
         self._users.clear()
         self.unregister()
 
+    @contextlib.contextmanager
+    def holding(self, names: Sequence[str]) -> Iterator[None]:
+        """A request in flight holds the regions it names, from decode to its answer."""
+        self.use(names)
+        try:
+            yield
+        finally:
+            self.done(names)
+
     def use(self, names: Sequence[str]) -> None:
-        """Requests in flight hold the regions they name, from decode to their answer (`done`)."""
         for n in names:
             self._users[n] = self._users.get(n, 0) + 1
 
@@ -197,7 +206,12 @@ def read_input(shm: SystemSharedMemory | None, params: dict[str, Any], datatype:
 
 
 def check_output(params: dict[str, Any], shm: SystemSharedMemory | None) -> None:
-    """A requested output's shared-memory parameters, checked before the request runs."""
+    """A requested output's parameters, checked before the request runs: classification (not
+    supported) and the shared-memory placement."""
+    if "classification" in params:
+        if "shared_memory_region" in params:
+            raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
+        raise unsupported("the classification extension is not supported")
     where = placement(params)
     if where is None:
         return
@@ -230,3 +244,11 @@ def regions_named(inputs: list[Any], outputs: list[Any]) -> tuple[str, ...]:
         if "shared_memory_region" in o.parameters:
             names.append(o.parameters["shared_memory_region"])
     return tuple(names)
+
+
+def cuda_status(name: str = "") -> list[dict[str, Any]]:
+    """CUDA shared memory: no region can be registered yet (registering answers 501), so the
+    status is empty and a named region is unknown."""
+    if name:
+        raise not_found(f"Unable to find cuda shared memory region: '{name}'")
+    return []

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, to_raw
-from server.errors import invalid_arg, unsupported
+from server.errors import invalid_arg
 from server.protocol import grpc_service_pb2 as pb
 from server.shared_memory import (
     SystemSharedMemory,
@@ -124,10 +124,6 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
         for o in req.outputs:
             params = params_dict(o.parameters)
             check_parameters(params)
-            if "classification" in params:
-                if "shared_memory_region" in params:
-                    raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
-                raise unsupported("the classification extension is not supported")
             check_output(params, shm)
             outputs.append(RequestedOutput(o.name, params))
     params = {}

@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from server import log_settings
+from server import log_settings, shared_memory
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError, not_found, unsupported
+from server.errors import ErrorCode, PierError, unsupported
 from server.frontends.grpc import codec
 from server.frontends.grpc.errors import grpc_code
 from server.protocol import grpc_service_pb2 as pb
@@ -141,15 +141,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if infer_request is None:
             infer_request = codec.decode_request(request, shm)
         trace = self.plane.tracer.begin(infer_request, "GRPC", received) if received else None
-        regions = infer_request.shm_regions
-        shm.use(regions)
-        try:
+        with shm.holding(infer_request.shm_regions):
             response = await self.plane.infer(infer_request)
             if trace is not None:
                 trace.stamp("GRPC_SEND_START")
             out = codec.encode_response(response, infer_request, shm)
-        finally:
-            shm.done(regions)
         if trace is not None:
             trace.stamp("GRPC_SEND_END")
             self.plane.tracer.finish(trace)
@@ -197,8 +193,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
                 after.add_done_callback(chain)
                 empty_final = request.parameters.get("triton_enable_empty_final_response") is True
-                self.plane.shared_memory.use(request.shm_regions)
-                try:
+                with self.plane.shared_memory.holding(request.shm_regions):
                     async for item in self.plane.infer_stream(request):
                         if isinstance(item, PierError):
                             out.put_nowait(error(req, item))
@@ -209,8 +204,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         resp = codec.encode_response(item, request, self.plane.shared_memory)
                         resp.parameters["triton_final_response"].bool_param = final
                         out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
-                finally:
-                    self.plane.shared_memory.done(request.shm_regions)
             except PierError as exc:  # the request was refused (validation) before it produced anything
                 out.put_nowait(error(req, exc))
             except Exception as exc:  # never lose the stream over one request
@@ -265,30 +258,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                            context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
         self.plane.shared_memory.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
+
     @_translate
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
                                      context: Any) -> pb.CudaSharedMemoryStatusResponse:
-        """No CUDA region can be registered here: none to list (a named one is unknown)."""
-        if request.name:
-            raise not_found(f"Unable to find cuda shared memory region: '{request.name}'")
+        shared_memory.cuda_status(request.name)  # none registered: empty, or an unknown name
         return pb.CudaSharedMemoryStatusResponse()
+
     CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
+
     @_translate
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
         return pb.CudaSharedMemoryUnregisterResponse()  # nothing registered: nothing to do (as Triton)
+
     @_translate
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> pb.TraceSettingResponse:
         """An empty value list resets the setting (a model's falls back to the global one)."""
-        if request.model_name:
-            self.plane.model_ready(request.model_name)
         changes = {k: (list(v.value) if v.value else None) for k, v in request.settings.items()}
-        settings = (self.plane.tracer.update(changes, request.model_name) if changes
-                    else self.plane.tracer.settings(request.model_name))
+        settings = self.plane.trace_settings(request.model_name, changes)
         out = pb.TraceSettingResponse()
         for key, value in settings.items():
             out.settings[key].value.extend(value if isinstance(value, list) else [value])
         return out
+
     @_translate
     async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> pb.LogSettingsResponse:
         changes = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.settings.items()

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from server import log_settings
+from server import log_settings, shared_memory
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError, invalid_arg
@@ -205,10 +205,7 @@ class HttpHandlers:
         return _empty(200)
 
     async def cuda_shm_status(self, request: web.Request) -> web.Response:
-        region = request.match_info.get("region", "")
-        if region:
-            raise PierError(ErrorCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'")
-        return _json([])
+        return _json(shared_memory.cuda_status(request.match_info.get("region", "")))
 
     async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
         return _empty(200)
@@ -220,16 +217,12 @@ class HttpHandlers:
         return _json(log_settings.update(await self._body(request, "log settings")))
 
     async def trace_get(self, request: web.Request) -> web.Response:
-        model = request.match_info.get("model", "")
-        if model:
-            self.plane.model_ready(model)
-        return _json(self.plane.tracer.settings(model))
+        return _json(self.plane.trace_settings(request.match_info.get("model", "")))
 
     async def trace_update(self, request: web.Request) -> web.Response:
         model = request.match_info.get("model", "")
-        if model:
-            self.plane.model_ready(model)
-        return _json(self.plane.tracer.update(await self._body(request, "trace setting"), model))
+        self.plane.trace_settings(model)  # an unknown model fails before the body is read
+        return _json(self.plane.trace_settings(model, await self._body(request, "trace setting")))
 
     async def not_yet(self, request: web.Request) -> web.Response:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
@@ -247,17 +240,11 @@ class HttpHandlers:
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
         trace = self.plane.tracer.begin(infer_request, "HTTP", received)
-        regions = infer_request.shm_regions
-        if regions:
-            self.plane.shared_memory.use(regions)
-        try:
+        with self.plane.shared_memory.holding(infer_request.shm_regions):
             response = await self.plane.infer(infer_request)
             if trace is not None:
                 trace.stamp("HTTP_SEND_START")
             payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
-        finally:
-            if regions:
-                self.plane.shared_memory.done(regions)
         if header_len is None:
             reply = web.Response(body=payload, content_type="application/json")
         else:
@@ -333,23 +320,20 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> w
         r.add_post(base + "/generate", h.generate)
         r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)
-    shm = "/v2/systemsharedmemory"
-    r.add_get(shm + "/status", h.shm_status)
-    r.add_get(shm + "/region/{region}/status", h.shm_status)
-    r.add_post(shm + "/region/{region}/register", h.shm_register)
-    r.add_post(shm + "/unregister", h.shm_unregister)
-    r.add_post(shm + "/region/{region}/unregister", h.shm_unregister)
+    # CUDA regions cannot be registered yet: empty status, no-op unregister, register is 501.
+    for base, status, unregister in (("/v2/systemsharedmemory", h.shm_status, h.shm_unregister),
+                                     ("/v2/cudasharedmemory", h.cuda_shm_status, h.cuda_shm_unregister)):
+        r.add_get(base + "/status", status)
+        r.add_get(base + "/region/{region}/status", status)
+        r.add_post(base + "/unregister", unregister)
+        r.add_post(base + "/region/{region}/unregister", unregister)
+    r.add_post("/v2/systemsharedmemory/region/{region}/register", h.shm_register)
+    r.add_route("*", "/v2/cudasharedmemory/{tail:.*}", h.not_yet)
     r.add_get("/v2/logging", h.logging_get)
     r.add_post("/v2/logging", h.logging_update)
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
         r.add_get(path, h.trace_get)
         r.add_post(path, h.trace_update)
-    cuda = "/v2/cudasharedmemory"  # CUDA regions cannot be registered yet: empty status, no-op unregister
-    r.add_get(cuda + "/status", h.cuda_shm_status)
-    r.add_get(cuda + "/region/{region}/status", h.cuda_shm_status)
-    r.add_post(cuda + "/unregister", h.cuda_shm_unregister)
-    r.add_post(cuda + "/region/{region}/unregister", h.cuda_shm_unregister)
-    r.add_route("*", cuda + "/{tail:.*}", h.not_yet)
     openai.add_routes(app, plane, max_input_size)
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)

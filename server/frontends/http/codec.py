@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
-from server.errors import ErrorCode, PierError, internal, invalid_arg, unsupported
+from server.errors import ErrorCode, PierError, internal, invalid_arg
 from server.frontends.json_data import array_from_json, array_to_json
 from server.shared_memory import (
     SystemSharedMemory,
@@ -146,10 +146,6 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
             raise invalid_arg("each requested output must be an object with a 'name'")
         params = _dict(item.get("parameters"), "outputs.parameters")
         check_parameters(params)
-        if "classification" in params:
-            if "shared_memory_region" in params:
-                raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
-            raise unsupported("the classification extension is not supported")
         check_output(params, shm)
         outputs.append(RequestedOutput(item["name"], params))
     params = _dict(doc.get("parameters"), "parameters")
