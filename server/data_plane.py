@@ -170,7 +170,10 @@ class DataPlane:
     def trace_settings(self, model: str = "", changes: dict[str, Any] | None = None) -> dict[str, Any]:
         """The trace extension: a model's (or the global) settings, after applying `changes`."""
         if model:
-            self.model_ready(model)
+            try:
+                self.model_ready(model)
+            except PierError as exc:  # Triton answers an unknown model's trace settings with 400
+                raise invalid_arg(exc.message) from None
         return self.tracer.update(changes, model) if changes else self.tracer.settings(model)
 
     def _trace(self, model: LoadedModel, request: InferenceRequest) -> tuple[Trace | None, bool]:

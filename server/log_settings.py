@@ -89,9 +89,11 @@ def _apply() -> None:
 
 def update(changes: dict[str, Any]) -> dict[str, Any]:
     """Apply a logging-extension update (all keys checked before any applies); return every setting.
-    Unknown keys are ignored, as Triton does."""
+    Unknown keys and null values are ignored, as Triton does."""
     new = LogSettings(**_current.as_dict())
     for key, value in changes.items():
+        if value is None:
+            continue
         if key == "log_file":
             raise PierError(ErrorCode.UNSUPPORTED, "log file location can not be updated through network protocol")
         if key in ("log_info", "log_warning", "log_error"):

@@ -101,6 +101,8 @@ def test_bad_updates_are_refused_and_change_nothing(server):
         assert r.status_code == status and text in r.json()["error"], (body, r.text)
     assert requests.get(f"{server.base()}/v2/logging", timeout=10).json() == before
     assert _post(server, {"unknown_key": 1}).json() == before  # ignored, as Triton does
+    nulls = {"log_info": None, "log_verbose_level": None, "log_format": None, "log_file": None}
+    assert _post(server, nulls).json() == before  # null values are ignored too, as Triton 2.51 does
 
 
 def test_grpc_log_settings(server):
