@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from server import __version__
+from server.classification import class_count, classify
 from server.errors import PierError, invalid_arg, unavailable, unsupported
 from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
@@ -15,14 +16,22 @@ from server.repository.manager import RepositoryManager
 from server.scheduling.base import WorkItem
 from server.shared_memory import SystemSharedMemory
 from server.tracing import Trace, Tracer
-from server.types import InferenceRequest, InferenceResponse, Tensor
+from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from server.validation import to_api_outputs, validate_request
 
 SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
-EXTENSIONS = ("model_repository", "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
-              "system_shared_memory", "binary_tensor_data", "parameters", "statistics", "trace", "logging")
+EXTENSIONS = ("classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
+              "model_configuration", "system_shared_memory", "binary_tensor_data", "parameters", "statistics",
+              "trace", "logging")
+
+
+def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Tensor:
+    """Output `t` as its request asked for it: its top classes when it set `classification`."""
+    if requested.parameters and requested.parameters.get("classification"):
+        return classify(t, class_count(requested.parameters), spec.max_batch_size > 0, spec.labels.get(t.name, ()))
+    return t
 
 
 class DataPlane:
@@ -155,7 +164,7 @@ class DataPlane:
         outputs = to_api_outputs(model.spec, result, batch)
         if request.outputs:
             by_name = {t.name: t for t in outputs}
-            outputs = [by_name[o.name] for o in request.outputs if o.name in by_name]
+            outputs = [_as_requested(by_name[o.name], o, model.spec) for o in request.outputs if o.name in by_name]
         return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,
                                  parameters=parameters or {})
 
@@ -209,7 +218,12 @@ class DataPlane:
             if trace is not None:
                 self._end_trace(trace, owned, [])
             raise result
-        response = self._response(model, request, result, batch)
+        try:
+            response = self._response(model, request, result, batch)
+        except PierError:  # a classification the output's datatype cannot give
+            if trace is not None:
+                self._end_trace(trace, owned, [])
+            raise
         if trace is not None:
             trace.stamp("INFER_RESPONSE_COMPLETE")
             self._end_trace(trace, owned, response.outputs)
@@ -249,7 +263,11 @@ class DataPlane:
                     yield item
                 else:
                     params = {"triton_final_response": final}
-                    response = self._response(model, request, list(item or []), batch, params)
+                    try:
+                        response = self._response(model, request, list(item or []), batch, params)
+                    except PierError as exc:  # a classification the output's datatype cannot give
+                        yield exc
+                        return
                     if trace is not None:  # one per response, as Triton traces decoupled models
                         trace.stamp("INFER_RESPONSE_COMPLETE")
                         for t in response.outputs:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from server.classification import class_count
 from server.datatypes import from_raw, to_raw
 from server.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
 from server.types import Tensor
@@ -206,12 +207,11 @@ def read_input(shm: SystemSharedMemory | None, params: dict[str, Any], datatype:
 
 
 def check_output(params: dict[str, Any], shm: SystemSharedMemory | None) -> None:
-    """A requested output's parameters, checked before the request runs: classification (not
-    supported) and the shared-memory placement."""
-    if "classification" in params:
-        if "shared_memory_region" in params:
-            raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
-        raise unsupported("the classification extension is not supported")
+    """A requested output's parameters, checked before the request runs: the classification
+    count and the shared-memory placement."""
+    class_count(params)
+    if "classification" in params and "shared_memory_region" in params:
+        raise invalid_arg("Output can't set both 'shared_memory_region' and 'classification'")
     where = placement(params)
     if where is None:
         return

@@ -122,6 +122,7 @@ class ModelSpec:
     config_json: Mapping[str, Any] = field(default_factory=dict)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
+    labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_inputs_by_name", {t.name: t for t in self.inputs})

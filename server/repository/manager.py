@@ -438,7 +438,7 @@ class RepositoryManager:
                 raise invalid_arg(f"model '{record.name}' has no version folders (numeric names) in {path}")
             wanted = set(select_versions(config.version_policy, list(dirs)))
             wanted = (wanted | (record.pinned & set(dirs))) - record.excluded
-            spec = model_config.build_spec(config)
+            spec = await loop.run_in_executor(None, model_config.build_spec, config, path)
             entry = backend_registry.lookup(spec.platform, spec.backend)
             weights = parse_weights(config.parameters[WEIGHTS_PARAMETER].string_value) \
                 if WEIGHTS_PARAMETER in config.parameters else None

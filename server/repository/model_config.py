@@ -17,6 +17,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from server import backend_registry
+from server.classification import read_labels
 from server.datatypes import config_to_datatype, datatype_to_config
 from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
@@ -291,8 +292,9 @@ def _check_reshape(name: str, dims: list[int], shape: list[int], fail: Callable[
         raise fail(f"reshape of '{name}' changes the element count ({dims} has {a}, {shape} has {b})")
 
 
-def build_spec(config: mc.ModelConfig) -> ModelSpec:
-    """Freeze a completed config into the spec the data plane and backends use."""
+def build_spec(config: mc.ModelConfig, model_dir: Path | None = None) -> ModelSpec:
+    """Freeze a completed config into the spec the data plane and backends use. With the model
+    folder, outputs' `label_filename` files are read too (blocking: run it off the event loop)."""
     def tensor(t: Any) -> TensorSpec:
         return TensorSpec(
             name=t.name,
@@ -334,6 +336,8 @@ def build_spec(config: mc.ModelConfig) -> ModelSpec:
             BatchOutputSpec(mc.BatchOutput.Kind.Name(b.kind), tuple(b.target_name), tuple(b.source_input))
             for b in config.batch_output
         ),
+        labels={t.name: read_labels(model_dir, t.label_filename, t.name)
+                for t in config.output if t.label_filename and model_dir is not None},
     )
 
 

@@ -94,10 +94,11 @@ def test_health_and_metadata_http(pier):
     assert meta["name"] == "pier" and meta["version"]
     assert "binary_tensor_data" in meta["extensions"] and "model_configuration" in meta["extensions"]
     # Triton's order; schedule_policy = request priority and timeout parameters (dynamic batcher)
-    assert [e for e in meta["extensions"] if e in ("model_repository", "schedule_policy", "model_configuration",
-                                                   "system_shared_memory", "statistics", "trace", "logging")] == [
-        "model_repository", "schedule_policy", "model_configuration", "system_shared_memory", "statistics", "trace",
-        "logging"]
+    assert [e for e in meta["extensions"] if e in ("classification", "model_repository", "schedule_policy",
+                                                   "model_configuration", "system_shared_memory", "statistics",
+                                                   "trace", "logging")] == [
+        "classification", "model_repository", "schedule_policy", "model_configuration", "system_shared_memory",
+        "statistics", "trace", "logging"]
     mm = client.get_model_metadata("simple")
     assert mm["name"] == "simple" and mm["versions"] == ["1"] and mm["platform"] == "onnxruntime_onnx"
     assert mm["inputs"] == [{"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]},
