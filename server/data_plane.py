@@ -22,9 +22,9 @@ from server.validation import to_api_outputs, validate_request
 SERVER_NAME = "pier"
 
 # What this build implements, in Triton's order and spelling.
-EXTENSIONS = ("classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
-              "model_configuration", "system_shared_memory", "binary_tensor_data", "parameters", "statistics",
-              "trace", "logging")
+EXTENSIONS = ("classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+              "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data", "parameters",
+              "statistics", "trace", "logging")
 
 
 def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Tensor:

@@ -13,6 +13,7 @@ from server.scheduling.base import Scheduler
 from server.scheduling.direct import DirectScheduler
 from server.scheduling.dynamic_batcher import DynamicBatcher
 from server.scheduling.ragged import BatchLayout
+from server.scheduling.sequence_batcher import SequenceBatcher
 from server.statistics import ModelStatistics
 from server.types import ModelSpec
 
@@ -78,6 +79,8 @@ def build_loaded_model(spec: ModelSpec, config: Any, version: int,
         scheduler = DirectScheduler(instances, stats, name, BatchLayout.from_spec(spec))
     else:
         scheduler = DynamicBatcher(instances, stats, name, policy)
+    if spec.sequence is not None:
+        scheduler = SequenceBatcher(scheduler, spec.sequence, spec.name)
     model = LoadedModel(spec, config, version, scheduler, stats)
     model.instances = list(instances)
     return model

@@ -13,16 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from server import backend_registry
 from server.classification import read_labels
-from server.datatypes import config_to_datatype, datatype_to_config
+from server.datatypes import config_to_datatype, datatype_to_config, from_raw, numpy_dtype
 from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
 from server.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
 from server.scheduling.ragged import BatchLayout
+from server.scheduling.sequence_batcher import Control, SequencePolicy, StateSpec
 from server.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
 
 ModelConfig = mc.ModelConfig
@@ -91,6 +93,8 @@ def complete_config(
         out.version_policy.latest.num_versions = 1
     if entry is not backend_registry.ENSEMBLE:  # an ensemble has no instances of its own
         _complete_instance_groups(out)
+    if out.HasField("sequence_batching") and not out.sequence_batching.max_sequence_idle_microseconds:
+        out.sequence_batching.max_sequence_idle_microseconds = 1_000_000  # Triton's default: 1 s
     if out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size:
         if out.max_batch_size > 0:
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
@@ -151,10 +155,15 @@ def _auto_complete_io(
             if not _has_scheduler(config):
                 config.dynamic_batching.SetInParent()
     strip = 1 if config.max_batch_size > 0 and sig.shapes_include_batch else 0
+    sb = config.sequence_batching  # the sequence batcher feeds controls and state: not client tensors
+    internal = {c.name for c in sb.control_input} | {st.input_name for st in sb.state} | \
+        {st.output_name for st in sb.state}
     for target, tensors in ((config.input, sig.inputs), (config.output, sig.outputs)):
         if len(target) > 0:
             continue
         for name, datatype, shape in tensors:
+            if name in internal:
+                continue
             t = target.add()
             t.name = name
             t.data_type = mc.DataType.Value(datatype_to_config(datatype))
@@ -216,6 +225,8 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
+    if config.HasField("sequence_batching"):
+        _validate_sequence_batching(config, fail)
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         if db.priority_levels and not 1 <= db.default_priority_level <= db.priority_levels:  # as Triton
@@ -229,6 +240,48 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
                     f"dynamic batching preferred size {size} must be in 1..max_batch_size "
                     f"({config.max_batch_size})"
                 )
+
+
+_FLAG_FIELDS = ("int32_false_true", "fp32_false_true", "bool_false_true")
+_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
+
+
+def _validate_sequence_batching(config: mc.ModelConfig, fail: Callable[[str], PierError]) -> None:
+    """Control inputs and implicit state: well-formed, and no name taken twice."""
+    sb = config.sequence_batching
+    taken = {t.name for t in config.input}
+    for ci in sb.control_input:
+        if not ci.name:
+            raise fail("sequence batching control input must have a name")
+        if ci.name in taken:
+            raise fail(f"sequence batching control input '{ci.name}' is also a model input or another control")
+        taken.add(ci.name)
+        if len(ci.control) != 1:
+            raise fail(f"sequence batching control input '{ci.name}' must have exactly one control")
+        c = ci.control[0]
+        kind = mc.ModelSequenceBatching.Control.Kind.Name(c.kind).removeprefix("CONTROL_SEQUENCE_")
+        if kind == "CORRID":
+            if c.data_type not in _CORRID_TYPES:
+                raise fail(f"sequence batching control '{ci.name}' (CORRID) must set data_type to TYPE_UINT64, "
+                           "TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING")
+            continue
+        given = [f for f in _FLAG_FIELDS if len(getattr(c, f))]
+        if len(given) != 1 or len(getattr(c, given[0])) != 2:
+            raise fail(f"sequence batching control '{ci.name}' ({kind}) must give exactly two false/true values in "
+                       "one of int32_false_true, fp32_false_true or bool_false_true")
+    for st in sb.state:
+        if not st.input_name or not st.output_name:
+            raise fail("sequence batching state must set input_name and output_name")
+        if st.input_name in taken:
+            raise fail(f"sequence batching state input '{st.input_name}' is also a model input or a control")
+        taken.add(st.input_name)
+        if st.data_type == mc.TYPE_INVALID or not st.dims:
+            raise fail(f"sequence batching state '{st.input_name}' must set data_type and dims")
+        for init in st.initial_state:
+            if init.WhichOneof("state_data") is None:
+                raise fail(f"initial_state of state '{st.input_name}' must set zero_data or data_file")
+            if any(d < 0 for d in init.dims):
+                raise fail(f"initial_state of state '{st.input_name}' must give fixed dims")
 
 
 def _batch_io_kind(entry: Any, message: Any, what: str, fail: Callable[[str], PierError]) -> str:
@@ -338,6 +391,50 @@ def build_spec(config: mc.ModelConfig, model_dir: Path | None = None) -> ModelSp
         ),
         labels={t.name: read_labels(model_dir, t.label_filename, t.name)
                 for t in config.output if t.label_filename and model_dir is not None},
+        sequence=sequence_policy(config, model_dir) if config.HasField("sequence_batching") else None,
+    )
+
+
+def sequence_policy(config: mc.ModelConfig, model_dir: Path | None) -> SequencePolicy:
+    """The sequence batcher's controls and states (initial state files read from
+    `<model folder>/initial_state/`, as Triton reads them)."""
+    sb = config.sequence_batching
+    controls = []
+    for ci in sb.control_input:
+        c = ci.control[0]
+        kind = mc.ModelSequenceBatching.Control.Kind.Name(c.kind).removeprefix("CONTROL_SEQUENCE_")
+        if kind == "CORRID":
+            controls.append(Control(ci.name, kind, config_to_datatype(mc.DataType.Name(c.data_type))))
+            continue
+        field_name = next(f for f in _FLAG_FIELDS if len(getattr(c, f)))
+        datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[field_name]
+        values = getattr(c, field_name)
+        controls.append(Control(ci.name, kind, datatype, (values[0], values[1])))
+    states = []
+    for st in sb.state:
+        datatype = config_to_datatype(mc.DataType.Name(st.data_type))
+        dtype = numpy_dtype(datatype)
+        initial = np.zeros([d if d >= 0 else 1 for d in st.dims], dtype=dtype)
+        for init in st.initial_state[:1]:
+            initial = np.zeros(list(init.dims), dtype=dtype)
+            if init.WhichOneof("state_data") == "data_file" and model_dir is not None:
+                path = (model_dir / "initial_state" / init.data_file).resolve()
+                if not path.is_relative_to(model_dir.resolve()):
+                    raise invalid_arg(f"initial_state data_file '{init.data_file}' must lie inside the model folder")
+                try:
+                    raw = path.read_bytes()
+                except OSError as exc:
+                    raise invalid_arg(f"failed to read initial state file {path}: {exc.strerror}") from None
+                initial = from_raw(memoryview(raw), datatype, list(init.dims), init.name or st.input_name,
+                                   config.name, "")
+        states.append(StateSpec(st.input_name, st.output_name, datatype, initial))
+    outputs = {t.name for t in config.output}
+    return SequencePolicy(
+        idle_ns=sb.max_sequence_idle_microseconds * 1000,
+        batched=config.max_batch_size > 0,
+        controls=tuple(controls),
+        states=tuple(states),
+        returned_states=frozenset(s.output_name for s in states if s.output_name in outputs),
     )
 
 
@@ -385,7 +482,19 @@ def _convert(v: Any, fd: Any) -> Any:
 def batching_policy(config: mc.ModelConfig) -> BatchingPolicy | None:
     """The dynamic batcher's settings, or None when the model runs requests one at a time
     (no `dynamic_batching`, or max_batch_size 0)."""
-    if config.WhichOneof("scheduling_choice") != "dynamic_batching" or config.max_batch_size <= 0:
+    if config.max_batch_size <= 0:
+        return None
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":  # across sequences, per the strategy
+        sb = config.sequence_batching
+        oldest = sb.WhichOneof("strategy_choice") == "oldest"
+        return BatchingPolicy(
+            max_batch_size=config.max_batch_size,
+            preferred_sizes=tuple(sb.oldest.preferred_batch_size) if oldest else (),
+            max_queue_delay_us=(sb.oldest if oldest else sb.direct).max_queue_delay_microseconds,
+            preserve_ordering=sb.oldest.preserve_ordering if oldest else False,
+            layout=BatchLayout.from_spec(build_spec(config)),
+        )
+    if config.WhichOneof("scheduling_choice") != "dynamic_batching":
         return None
     db = config.dynamic_batching
 

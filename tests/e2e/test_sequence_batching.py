@@ -1,0 +1,220 @@
+"""Triton's sequence batcher through the real server, a real ONNX stateful model and the real
+clients: control inputs (START, END, READY, CORRID), implicit state kept by the server between a
+sequence's requests, sequences batched together, and Triton's refusals (checked against the
+reference Triton 2.51: same messages, same cases)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from onnx import TensorProto, helper, numpy_helper
+
+from scripts.build_example_models import _model, write_model
+from tests.conftest import start_pier
+
+CONFIG = """name: "accumulate"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] },
+         { name: "CTRL" data_type: TYPE_FP32 dims: [ 3 ] },
+         { name: "CORR_OUT" data_type: TYPE_UINT64 dims: [ 1 ] },
+         { name: "STATE_SEEN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 700000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+  direct { max_queue_delay_microseconds: 3000 }
+}
+"""
+
+
+def accumulate_model() -> bytes:
+    """OUTPUT = (START ? 0 : STATE_IN) + INPUT = STATE_OUT; CTRL = [START, END, READY]; CORR_OUT = CORRID;
+    STATE_SEEN = STATE_IN (what the server handed the model)."""
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Cast", ["START"], ["start_f"], to=f),
+        helper.make_node("Sub", ["one", "start_f"], ["keep"]),
+        helper.make_node("Mul", ["STATE_IN", "keep"], ["kept"]),
+        helper.make_node("Add", ["kept", "INPUT"], ["OUTPUT"]),
+        helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
+        helper.make_node("Cast", ["READY"], ["ready_f"], to=f),
+        helper.make_node("Concat", ["start_f", "END", "ready_f"], ["CTRL"], axis=1),
+        helper.make_node("Identity", ["CORRID"], ["CORR_OUT"]),
+        helper.make_node("Identity", ["STATE_IN"], ["STATE_SEEN"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "accumulate",
+        [vi("INPUT", f, [None, 1]), vi("START", TensorProto.INT32, [None, 1]), vi("END", f, [None, 1]),
+         vi("READY", TensorProto.BOOL, [None, 1]), vi("CORRID", TensorProto.UINT64, [None, 1]),
+         vi("STATE_IN", f, [None, 1])],
+        [vi("OUTPUT", f, [None, 1]), vi("CTRL", f, [None, 3]), vi("CORR_OUT", TensorProto.UINT64, [None, 1]),
+         vi("STATE_OUT", f, [None, 1]), vi("STATE_SEEN", f, [None, 1])],
+        [numpy_helper.from_array(np.array(1.0, np.float32), "one")],
+    )
+    return _model(graph)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("seq") / "repo"
+    write_model(repo, "accumulate", CONFIG, accumulate_model())
+    bad = CONFIG.replace('name: "accumulate"', 'name: "bad_control"').replace("int32_false_true: [ 0, 1 ]", "")
+    write_model(repo, "bad_control", bad, accumulate_model())
+    auto = CONFIG.replace('name: "accumulate"', 'name: "auto_io"').split("sequence_batching")[1]
+    write_model(repo, "auto_io", 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nsequence_batching' + auto,
+                accumulate_model())
+    proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=repo.parent / "pier.log")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def http_step(client: httpclient.InferenceServerClient, seq, value: float, **flags) -> dict:
+    i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+    i.set_data_from_numpy(np.array([[value]], np.float32))
+    r = client.infer("accumulate", [i], sequence_id=seq, **flags)
+    return {n: r.as_numpy(n) for n in ("OUTPUT", "CTRL", "CORR_OUT", "STATE_SEEN")}
+
+
+def test_state_controls_and_correlation_ids(server) -> None:
+    h = httpclient.InferenceServerClient(server.http_url)
+    a = http_step(h, 41, 1.0, sequence_start=True)
+    b = http_step(h, 42, 100.0, sequence_start=True)  # interleaved: each sequence keeps its own state
+    assert a["OUTPUT"].tolist() == [[1.0]] and b["OUTPUT"].tolist() == [[100.0]]
+    assert a["CTRL"].tolist() == [[1.0, 0.0, 1.0]] and a["CORR_OUT"].tolist() == [[41]]
+    assert a["STATE_SEEN"].tolist() == [[0.0]]  # no initial_state configured: zeros
+    a = http_step(h, 41, 2.0)
+    assert a["OUTPUT"].tolist() == [[3.0]] and a["CTRL"].tolist() == [[0.0, 0.0, 1.0]]
+    assert a["STATE_SEEN"].tolist() == [[1.0]]
+    b = http_step(h, 42, 5.0, sequence_end=True)
+    assert b["OUTPUT"].tolist() == [[105.0]] and b["CTRL"].tolist() == [[0.0, 1.0, 1.0]]
+    assert b["CORR_OUT"].tolist() == [[42]]
+    a = http_step(h, 41, 4.0, sequence_start=True)  # START again restarts the sequence from its initial state
+    assert a["OUTPUT"].tolist() == [[4.0]] and a["STATE_SEEN"].tolist() == [[0.0]]
+    g = grpcclient.InferenceServerClient(server.grpc_url)  # gRPC, string correlation ID
+    for value, expected, flags in ((1.0, 1.0, {"sequence_start": True}), (2.0, 3.0, {}),
+                                   (3.0, 6.0, {"sequence_end": True})):
+        i = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[value]], np.float32))
+        r = g.infer("accumulate", [i], sequence_id="session-a", **flags)
+        assert r.as_numpy("OUTPUT").tolist() == [[expected]]
+        assert r.as_numpy("STATE_OUT") is None  # implicit state stays in the server
+    assert "sequence" in g.get_server_metadata().extensions
+
+
+def test_concurrent_sequences_batch_and_stay_apart(server) -> None:
+    before = requests.get(f"{server.base()}/v2/models/accumulate/stats", timeout=10).json()["model_stats"][0]
+
+    def run(seq: int) -> list[float]:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        sums = []
+        for k in range(6):
+            i = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+            i.set_data_from_numpy(np.array([[float(seq * 10 + k)]], np.float32))
+            r = client.infer("accumulate", [i], sequence_id=seq, sequence_start=k == 0, sequence_end=k == 5)
+            sums.append(float(r.as_numpy("OUTPUT")[0, 0]))
+        return sums
+
+    with ThreadPoolExecutor(8) as pool:
+        results = dict(zip(range(1, 9), pool.map(run, range(1, 9))))
+    for seq, sums in results.items():
+        assert sums == list(np.cumsum([seq * 10 + k for k in range(6)]).astype(float)), (seq, sums)
+    after = requests.get(f"{server.base()}/v2/models/accumulate/stats", timeout=10).json()["model_stats"][0]
+    assert after["inference_count"] - before["inference_count"] == 48
+    assert after["execution_count"] - before["execution_count"] < 48  # sequences shared batches
+
+
+def test_grpc_stream_sequence(server) -> None:
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    g.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for k, value in enumerate((2.0, 3.0, 4.0)):
+            i = grpcclient.InferInput("INPUT", [1, 1], "FP32")
+            i.set_data_from_numpy(np.array([[value]], np.float32))
+            g.async_stream_infer("accumulate", [i], request_id=str(k), sequence_id=77, sequence_start=k == 0,
+                                 sequence_end=k == 2)
+        got = [answers.get(timeout=10) for _ in range(3)]
+    finally:
+        g.stop_stream()
+    assert all(e is None for _, e in got), got
+    assert sorted(float(r.as_numpy("OUTPUT")[0, 0]) for r, _ in got) == [2.0, 5.0, 9.0]
+
+
+def infer_json(server, params: dict | None, rows: int = 1) -> requests.Response:
+    body: dict = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [rows, 1], "data": [1.0] * rows}]}
+    if params is not None:
+        body["parameters"] = params
+    return requests.post(f"{server.base()}/v2/models/accumulate/infer", json=body, timeout=30)
+
+
+def test_refusals_as_triton(server) -> None:
+    no_id = "inference request to model 'accumulate' must specify a non-zero or non-empty correlation ID"
+    not_started = ("inference request for sequence {} to model 'accumulate' must specify the START flag on the "
+                   "first request of the sequence")
+    for params in (None, {"sequence_id": 0}, {"sequence_id": "", "sequence_start": True}):
+        r = infer_json(server, params)
+        assert r.status_code == 400 and r.json()["error"] == no_id, (params, r.text)
+    r = infer_json(server, {"sequence_id": 9})
+    assert r.status_code == 400 and r.json()["error"] == not_started.format(9)
+    r = infer_json(server, {"sequence_id": 9, "sequence_start": True}, rows=2)
+    assert r.status_code == 400
+    assert r.json()["error"] == ("inference request to model 'accumulate' must specify batch-size 1 due to "
+                                 "requirements of sequence batcher")
+    assert infer_json(server, {"sequence_id": 9, "sequence_start": True, "sequence_end": True}).status_code == 200
+    r = infer_json(server, {"sequence_id": 9})  # ended: the next request must START again
+    assert r.status_code == 400 and r.json()["error"] == not_started.format(9)
+    assert infer_json(server, {"sequence_id": 10, "sequence_start": True}).status_code == 200
+    time.sleep(1.0)  # past max_sequence_idle_microseconds (0.7 s): the sequence is released
+    r = infer_json(server, {"sequence_id": 10})
+    assert r.status_code == 400 and r.json()["error"] == not_started.format(10)
+    r = infer_json(server, {"sequence_id": -3, "sequence_start": True})
+    assert r.status_code == 400 and "sequence_id" in r.json()["error"]
+
+
+def test_auto_complete_leaves_controls_and_state_to_the_batcher(server) -> None:
+    cfg = requests.get(f"{server.base()}/v2/models/auto_io/config", timeout=10).json()
+    assert [t["name"] for t in cfg["input"]] == ["INPUT"]
+    assert [t["name"] for t in cfg["output"]] == ["OUTPUT", "CTRL", "CORR_OUT", "STATE_SEEN"]
+    h = httpclient.InferenceServerClient(server.http_url)
+    i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+    i.set_data_from_numpy(np.array([[2.5]], np.float32))
+    r = h.infer("auto_io", [i], sequence_id=1, sequence_start=True)
+    assert r.as_numpy("OUTPUT").tolist() == [[2.5]]
+
+
+def test_config_normalised_and_bad_control_refused(server) -> None:
+    cfg = requests.get(f"{server.base()}/v2/models/accumulate/config", timeout=10).json()
+    assert cfg["sequence_batching"]["max_sequence_idle_microseconds"] == 700000
+    assert [c["name"] for c in cfg["sequence_batching"]["control_input"]] == ["START", "END", "READY", "CORRID"]
+    index = {m["name"]: m for m in requests.post(f"{server.base()}/v2/repository/index", timeout=10).json()}
+    assert index["bad_control"]["state"] == "UNAVAILABLE"
+    assert "config.pbtxt" in index["bad_control"]["reason"]
+    assert "'START' (START) must give exactly two false/true values" in index["bad_control"]["reason"]
+
+
+def test_many_threads_one_sequence_run_in_order(server) -> None:
+    """Requests of one sequence sent back to back without waiting run one at a time, in order."""
+    h = httpclient.InferenceServerClient(server.http_url, concurrency=4)
+    http_step(h, 500, 0.0, sequence_start=True)
+    futures = []
+    for _ in range(8):
+        i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[1.0]], np.float32))
+        futures.append(h.async_infer("accumulate", [i], sequence_id=500))
+    outs = [float(f.get_result().as_numpy("OUTPUT")[0, 0]) for f in futures]
+    assert sorted(outs) == [float(k) for k in range(1, 9)]
