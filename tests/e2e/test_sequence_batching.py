@@ -75,6 +75,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     write_model(repo, "accumulate", CONFIG, accumulate_model())
     bad = CONFIG.replace('name: "accumulate"', 'name: "bad_control"').replace("int32_false_true: [ 0, 1 ]", "")
     write_model(repo, "bad_control", bad, accumulate_model())
+    init = CONFIG.replace('name: "accumulate"', 'name: "init_file"').replace(
+        "dims: [ 1 ] } ]\n  direct",
+        'dims: [ 1 ] initial_state [ { data_type: TYPE_FP32 dims: [ 1 ] data_file: "ten.bin" name: "ten" } ] } ]'
+        "\n  direct")
+    folder = write_model(repo, "init_file", init, accumulate_model())
+    (folder / "initial_state").mkdir()
+    (folder / "initial_state" / "ten.bin").write_bytes(np.array([10.0], np.float32).tobytes())
     auto = CONFIG.replace('name: "accumulate"', 'name: "auto_io"').split("sequence_batching")[1]
     write_model(repo, "auto_io", 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nsequence_batching' + auto,
                 accumulate_model())
@@ -184,6 +191,15 @@ def test_refusals_as_triton(server) -> None:
     assert r.status_code == 400 and r.json()["error"] == not_started.format(10)
     r = infer_json(server, {"sequence_id": -3, "sequence_start": True})
     assert r.status_code == 400 and "sequence_id" in r.json()["error"]
+
+
+def test_initial_state_from_a_data_file(server) -> None:
+    h = httpclient.InferenceServerClient(server.http_url)
+    for value, seen, flags in ((1.0, 10.0, {"sequence_start": True}), (2.0, 1.0, {})):
+        i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[value]], np.float32))
+        r = h.infer("init_file", [i], sequence_id=3, **flags)
+        assert r.as_numpy("STATE_SEEN").tolist() == [[seen]]
 
 
 def test_auto_complete_leaves_controls_and_state_to_the_batcher(server) -> None:
