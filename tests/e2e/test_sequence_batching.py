@@ -14,59 +14,14 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper, numpy_helper
 
-from scripts.build_example_models import _model, write_model
+from scripts.build_example_models import ACCUMULATE_CONFIG, accumulate_model, write_model
 from tests.conftest import start_pier
 
-CONFIG = """name: "accumulate"
-platform: "onnxruntime_onnx"
-max_batch_size: 8
-input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
-output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] },
-         { name: "CTRL" data_type: TYPE_FP32 dims: [ 3 ] },
-         { name: "CORR_OUT" data_type: TYPE_UINT64 dims: [ 1 ] },
-         { name: "STATE_SEEN" data_type: TYPE_FP32 dims: [ 1 ] } ]
-sequence_batching {
-  max_sequence_idle_microseconds: 700000
-  control_input [
-    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
-    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
-    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
-    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
-  ]
-  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
-  direct { max_queue_delay_microseconds: 3000 }
-}
-"""
-
-
-def accumulate_model() -> bytes:
-    """OUTPUT = (START ? 0 : STATE_IN) + INPUT = STATE_OUT; CTRL = [START, END, READY]; CORR_OUT = CORRID;
-    STATE_SEEN = STATE_IN (what the server handed the model)."""
-    f = TensorProto.FLOAT
-    vi = helper.make_tensor_value_info
-    nodes = [
-        helper.make_node("Cast", ["START"], ["start_f"], to=f),
-        helper.make_node("Sub", ["one", "start_f"], ["keep"]),
-        helper.make_node("Mul", ["STATE_IN", "keep"], ["kept"]),
-        helper.make_node("Add", ["kept", "INPUT"], ["OUTPUT"]),
-        helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
-        helper.make_node("Cast", ["READY"], ["ready_f"], to=f),
-        helper.make_node("Concat", ["start_f", "END", "ready_f"], ["CTRL"], axis=1),
-        helper.make_node("Identity", ["CORRID"], ["CORR_OUT"]),
-        helper.make_node("Identity", ["STATE_IN"], ["STATE_SEEN"]),
-    ]
-    graph = helper.make_graph(
-        nodes, "accumulate",
-        [vi("INPUT", f, [None, 1]), vi("START", TensorProto.INT32, [None, 1]), vi("END", f, [None, 1]),
-         vi("READY", TensorProto.BOOL, [None, 1]), vi("CORRID", TensorProto.UINT64, [None, 1]),
-         vi("STATE_IN", f, [None, 1])],
-        [vi("OUTPUT", f, [None, 1]), vi("CTRL", f, [None, 3]), vi("CORR_OUT", TensorProto.UINT64, [None, 1]),
-         vi("STATE_OUT", f, [None, 1]), vi("STATE_SEEN", f, [None, 1])],
-        [numpy_helper.from_array(np.array(1.0, np.float32), "one")],
-    )
-    return _model(graph)
+# The example model, with a short idle limit (for the release test) and room to batch.
+CONFIG = ACCUMULATE_CONFIG.replace("idle_microseconds: 60000000", "idle_microseconds: 700000").replace(
+    "max_queue_delay_microseconds: 1000", "max_queue_delay_microseconds: 3000")
+assert "700000" in CONFIG and "3000 }" in CONFIG
 
 
 @pytest.fixture(scope="module")
