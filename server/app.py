@@ -45,7 +45,7 @@ class PierServer:
             keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies,
         )
         self.plane = DataPlane(self.manager, settings.strict_readiness,
-                               Tracer(parse_trace_config(list(settings.trace_config))))
+                               Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id)
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
@@ -55,15 +55,16 @@ class PierServer:
         s = self.settings
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size)
-            await self._serve_http(app, s.http_address, s.http_port)
+            await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
             address = f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
-                self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size)
+                self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size,
+                                                     s.grpc_options, s.reuse_grpc_port, s.grpc_ssl)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
-            log.info("Started GRPCInferenceService at %s", address)
+            log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")
         if s.allow_metrics:
             renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
                                        self.manager.traffic, s.allow_cpu_metrics)
@@ -76,12 +77,12 @@ class PierServer:
             await self._serve_http(app, s.metrics_address, s.metrics_port)
             log.info("Started Metrics Service at %s:%d", s.metrics_address, s.metrics_port)
 
-    async def _serve_http(self, app: web.Application, address: str, port: int) -> None:
+    async def _serve_http(self, app: web.Application, address: str, port: int, reuse_port: bool = False) -> None:
         # handler_cancellation: a client that disconnects cancels its request (queued, or running
         # in the LLM engine), as gRPC does; load/unload run to completion regardless (control_plane).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, address, port, reuse_address=True).start()
+        await web.TCPSite(runner, address, port, reuse_address=True, reuse_port=reuse_port or None).start()
         self._runners.append(runner)
 
     async def load_models(self) -> list[str]:
@@ -172,6 +173,9 @@ def run(settings: Settings) -> int:
         log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
         log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
     logging.getLogger("aiohttp.server").addFilter(_ClientMistakes())
+    if settings.ignored_flags:
+        log.warning("accepted for tritonserver compatibility, with no effect in Pier: %s",
+                    ", ".join(settings.ignored_flags))
     try:
         import uvloop
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from server import __version__
-from server.settings import Settings
+from server.settings import GrpcSsl, Settings
 
 
 def _bool(value: str) -> bool:
@@ -63,7 +63,57 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="accepted for tritonserver compatibility (no GPU metrics are exported)")
     flag("--metrics-interval-ms", type=int, default=2000,
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
+    flag("--id", default="pier", help="server name reported in server metadata")
+    for name in ("reuse-http-port", "reuse-grpc-port", "grpc-use-ssl", "grpc-use-ssl-mutual"):
+        flag(f"--{name}", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    flag("--grpc-server-cert", default="", metavar="PEM")
+    flag("--grpc-server-key", default="", metavar="PEM")
+    flag("--grpc-root-cert", default="", metavar="PEM")
+    for name in GRPC_OPTIONS:
+        flag(f"--{name}", type=_bool if name.endswith("permit-without-calls") else int, default=None)
+    for name in IGNORED_FLAGS:  # so tritonserver command lines run unchanged; logged at startup
+        flag(f"--{name}", action="append", nargs="?", const="", default=[], help=argparse.SUPPRESS)
     return p
+
+
+# tritonserver's gRPC keepalive / HTTP/2 flags -> grpc server options (milliseconds, counts, 0/1).
+GRPC_OPTIONS = {
+    "grpc-keepalive-time": "grpc.keepalive_time_ms",
+    "grpc-keepalive-timeout": "grpc.keepalive_timeout_ms",
+    "grpc-keepalive-permit-without-calls": "grpc.keepalive_permit_without_calls",
+    "grpc-http2-max-pings-without-data": "grpc.http2.max_pings_without_data",
+    "grpc-http2-min-recv-ping-interval-without-data": "grpc.http2.min_ping_interval_without_data_ms",
+    "grpc-http2-max-ping-strikes": "grpc.http2.max_ping_strikes",
+    "grpc-max-connection-age": "grpc.max_connection_age_ms",
+    "grpc-max-connection-age-grace": "grpc.max_connection_age_grace_ms",
+}
+
+# tritonserver flags that have nothing to act on in Pier (backends are built in; no pinned or CUDA
+# memory pools, response cache, rate limiter or namespacing): accepted and named in a warning.
+IGNORED_FLAGS = (
+    "backend-directory", "backend-config", "repoagent-directory", "pinned-memory-pool-byte-size",
+    "cuda-memory-pool-byte-size", "cuda-virtual-address-size", "min-supported-compute-capability",
+    "buffer-manager-thread-count", "host-policy", "rate-limit", "rate-limit-resource", "cache-config",
+    "cache-directory", "response-cache-byte-size", "http-thread-count", "grpc-infer-allocation-pool-size",
+    "grpc-max-response-pool-size", "grpc-infer-response-compression-level", "model-load-retry-count",
+    "http-header-forward-pattern", "grpc-header-forward-pattern", "allow-sagemaker", "allow-vertex-ai",
+    "model-namespacing",
+)
+
+
+def _grpc_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> GrpcSsl | None:
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        return None
+    needed = ["grpc_server_cert", "grpc_server_key"] + (["grpc_root_cert"] if args.grpc_use_ssl_mutual else [])
+    for attr in needed:
+        value = getattr(args, attr)
+        flag = "--" + attr.replace("_", "-")
+        if not value:
+            parser.error(f"{flag} is required with --grpc-use-ssl{'-mutual' if args.grpc_use_ssl_mutual else ''}")
+        if not Path(value).is_file():
+            parser.error(f"{flag} {value}: no such file")
+    root = Path(args.grpc_root_cert) if args.grpc_root_cert else None
+    return GrpcSsl(Path(args.grpc_server_cert), Path(args.grpc_server_key), root, args.grpc_use_ssl_mutual)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +180,13 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         metrics_config=tuple(args.metrics_config),
         trace_config=tuple(args.trace_config),
         allow_cpu_metrics=args.allow_cpu_metrics,
+        server_id=args.id,
+        reuse_http_port=args.reuse_http_port,
+        reuse_grpc_port=args.reuse_grpc_port,
+        grpc_ssl=_grpc_ssl(args, parser),
+        grpc_options=tuple((option, int(value)) for name, option in GRPC_OPTIONS.items()
+                           if (value := getattr(args, name.replace("-", "_"))) is not None),
+        ignored_flags=tuple(f"--{name}" for name in IGNORED_FLAGS if getattr(args, name.replace("-", "_"))),
     )
 
 

@@ -35,7 +35,9 @@ def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Ten
 
 
 class DataPlane:
-    def __init__(self, manager: RepositoryManager, strict_readiness: bool, tracer: Tracer | None = None) -> None:
+    def __init__(self, manager: RepositoryManager, strict_readiness: bool, tracer: Tracer | None = None,
+                 server_id: str = SERVER_NAME) -> None:
+        self.server_id = server_id
         self._manager = manager
         self._strict = strict_readiness
         self._started = False
@@ -74,7 +76,7 @@ class DataPlane:
         return self._manager.all_ready() if self._strict else True
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+        return {"name": self.server_id, "version": __version__, "extensions": list(EXTENSIONS)}
 
     # ---- models --------------------------------------------------------------------------
 

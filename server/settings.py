@@ -37,3 +37,20 @@ class Settings:
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config
     trace_config: tuple[str, ...] = ()  # "[triton,]key=value" items, as tritonserver's --trace-config
     allow_cpu_metrics: bool = True
+    server_id: str = "pier"  # --id: the name server metadata reports
+    reuse_http_port: bool = False
+    reuse_grpc_port: bool = False
+    grpc_ssl: GrpcSsl | None = None
+    grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 settings, as grpc channel args
+    ignored_flags: tuple[str, ...] = ()  # tritonserver flags accepted with no effect (logged at startup)
+
+
+@dataclass(frozen=True)
+class GrpcSsl:
+    """--grpc-use-ssl[-mutual]: PEM files for the server's key and certificate, and (mutual TLS)
+    the root certificate client certificates must chain to."""
+
+    server_cert: Path
+    server_key: Path
+    root_cert: Path | None = None
+    mutual: bool = False

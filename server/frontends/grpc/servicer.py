@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from server.frontends.grpc.errors import grpc_code
 from server.protocol import grpc_service_pb2 as pb
 from server.protocol import grpc_service_pb2_grpc as pb_grpc
 from server.protocol import health_pb2, health_pb2_grpc
+from server.settings import GrpcSsl
 from server.types import InferenceRequest
 
 log = logging.getLogger("pier.grpc")
@@ -305,17 +306,28 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         return status(status=status.SERVING if self.plane.ready() else status.NOT_SERVING)
 
 
-async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str,
-                            max_message_bytes: int) -> grpc.aio.Server:
-    options = [
+async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str, max_message_bytes: int,
+                            options: Sequence[tuple[str, int]] = (), reuse_port: bool = False,
+                            ssl: GrpcSsl | None = None) -> grpc.aio.Server:
+    """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), and
+    `ssl` serves TLS (mutual: client certificates must chain to its root certificate)."""
+    server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options)
+        ("grpc.so_reuseport", int(reuse_port)),
+        *options,
+    ])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, control), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(plane), server)
-    if server.add_insecure_port(address) == 0:
+    if ssl is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(ssl.server_key.read_bytes(), ssl.server_cert.read_bytes())],
+            root_certificates=ssl.root_cert.read_bytes() if ssl.root_cert is not None else None,
+            require_client_auth=ssl.mutual)
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     await server.start()
     return server

@@ -1,0 +1,101 @@
+"""tritonserver command lines run unchanged: --id, gRPC TLS (one-way and mutual, with the real
+tritonclient), keepalive settings, and the flags Pier has nothing to act on (accepted, and named
+in a startup warning)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
+
+
+def test_tritonserver_command_line_runs_unchanged(tmp_path: Path) -> None:
+    server = start_pier(
+        [EXAMPLE_REPO], "--model-control-mode=explicit", "--load-model=simple", "--id=edge-7",
+        "--backend-directory=/opt/tritonserver/backends", "--backend-config=python,shm-default-byte-size=1048576",
+        "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--model-namespacing",
+        "--grpc-keepalive-time=10000", "--grpc-keepalive-timeout=5000", "--grpc-keepalive-permit-without-calls=1",
+        "--grpc-http2-max-pings-without-data=0", "--reuse-http-port=true",
+        log_path=tmp_path / "log")
+    try:
+        assert requests.get(f"{server.base()}/v2", timeout=5).json()["name"] == "edge-7"
+        g = grpcclient.InferenceServerClient(server.grpc_url)
+        assert g.get_server_metadata().name == "edge-7" and g.is_model_ready("simple")
+        log = server.log()
+        assert ("accepted for tritonserver compatibility, with no effect in Pier: --backend-directory, "
+                "--backend-config, --pinned-memory-pool-byte-size, --cuda-memory-pool-byte-size, "
+                "--model-namespacing") in log, log
+    finally:
+        assert server.stop() == 0
+
+
+def test_bad_values_and_missing_certificates_are_errors(tmp_path: Path) -> None:
+    for flags, text in ((["--grpc-keepalive-time=soon"], "--grpc-keepalive-time"),
+                        (["--grpc-use-ssl"], "--grpc-server-cert is required with --grpc-use-ssl"),
+                        (["--grpc-use-ssl", f"--grpc-server-cert={tmp_path / 'nope.pem'}"], "no such file")):
+        proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}", *flags],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 2 and text in proc.stderr, (flags, proc.stderr)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, both signed by it."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=pier-test-ca",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, cn in (("server", "localhost"), ("client", "pier-test-client")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", str(d / f"{name}.key"),
+                 "-out", str(d / f"{name}.csr"))
+        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+                 "-CAcreateserial", "-days", "2", "-out", str(d / f"{name}.pem"), "-extfile", str(d / "san.cnf"))
+    return d
+
+
+def _infer(url: str, **tls: object) -> list[int]:
+    client = grpcclient.InferenceServerClient(url, **tls)
+    a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+    b = grpcclient.InferInput("INPUT1", [1, 16], "INT32")
+    a.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+    b.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    return client.infer("simple", [a, b], client_timeout=10).as_numpy("OUTPUT0")[0, :3].tolist()
+
+
+def test_grpc_tls_and_mutual_tls(pki: Path, tmp_path: Path) -> None:
+    base = ["--model-control-mode=explicit", "--load-model=simple", f"--grpc-server-cert={pki / 'server.pem'}",
+            f"--grpc-server-key={pki / 'server.key'}"]
+    server = start_pier([EXAMPLE_REPO], "--grpc-use-ssl=true", *base, log_path=tmp_path / "tls.log")
+    try:
+        url = f"localhost:{server.grpc_port}"
+        assert _infer(url, ssl=True, root_certificates=str(pki / "ca.pem")) == [1, 2, 3]
+        with pytest.raises(InferenceServerException):  # plaintext against a TLS port
+            _infer(url)
+        assert "(TLS)" in server.log()
+    finally:
+        assert server.stop() == 0
+    server = start_pier([EXAMPLE_REPO], "--grpc-use-ssl-mutual=true", f"--grpc-root-cert={pki / 'ca.pem'}", *base,
+                        log_path=tmp_path / "mtls.log")
+    try:
+        url = f"localhost:{server.grpc_port}"
+        with pytest.raises(InferenceServerException):  # no client certificate
+            _infer(url, ssl=True, root_certificates=str(pki / "ca.pem"))
+        assert _infer(url, ssl=True, root_certificates=str(pki / "ca.pem"), private_key=str(pki / "client.key"),
+                      certificate_chain=str(pki / "client.pem")) == [1, 2, 3]
+    finally:
+        assert server.stop() == 0
