@@ -43,6 +43,7 @@ class PierServer:
         self.manager = RepositoryManager(
             list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count,
             keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies,
+            config_name=settings.model_config_name,
         )
         self.plane = DataPlane(self.manager, settings.strict_readiness,
                                Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id)

@@ -64,6 +64,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--metrics-interval-ms", type=int, default=2000,
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
     flag("--id", default="pier", help="server name reported in server metadata")
+    flag("--model-config-name", default="", metavar="NAME",
+         help="use <model>/configs/NAME.pbtxt instead of config.pbtxt where a model has one")
     for name in ("reuse-http-port", "reuse-grpc-port", "grpc-use-ssl", "grpc-use-ssl-mutual"):
         flag(f"--{name}", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
     flag("--grpc-server-cert", default="", metavar="PEM")
@@ -181,6 +183,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         trace_config=tuple(args.trace_config),
         allow_cpu_metrics=args.allow_cpu_metrics,
         server_id=args.id,
+        model_config_name=args.model_config_name,
         reuse_http_port=args.reuse_http_port,
         reuse_grpc_port=args.reuse_grpc_port,
         grpc_ssl=_grpc_ssl(args, parser),

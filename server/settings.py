@@ -38,6 +38,7 @@ class Settings:
     trace_config: tuple[str, ...] = ()  # "[triton,]key=value" items, as tritonserver's --trace-config
     allow_cpu_metrics: bool = True
     server_id: str = "pier"  # --id: the name server metadata reports
+    model_config_name: str = ""  # --model-config-name: use configs/<name>.pbtxt where a model has it
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False
     grpc_ssl: GrpcSsl | None = None

@@ -135,8 +135,9 @@ def dependencies(config: mc.ModelConfig) -> list[str]:
 
 class RepositoryManager:
     def __init__(self, repositories: list[Path], auto_complete: bool, load_concurrency: int = 4,
-                 keep_recent: bool = False) -> None:
+                 keep_recent: bool = False, config_name: str = "") -> None:
         self._repositories = repositories
+        self._config_name = config_name  # --model-config-name: configs/<name>.pbtxt when a model has one
         self._keep_recent = keep_recent  # statistics keep recent requests (the summary metrics need them)
         self._auto_complete = auto_complete
         self._models: dict[str, ModelRecord] = {}
@@ -414,7 +415,7 @@ class RepositoryManager:
         if path is None:
             return ""
         h = hashlib.sha256()
-        h.update(_file_fingerprint(path / "config.pbtxt").encode())
+        h.update(_file_fingerprint(source.config_file(path, self._config_name)).encode())
         h.update(_tree_fingerprint(path).encode())
         h.update(f"{sorted(record.pinned)}{sorted(record.excluded)}".encode())
         return h.hexdigest()
@@ -559,7 +560,7 @@ class RepositoryManager:
 
     def _read_config(self, name: str, path: Path, override: LoadOverride | None,
                      dirs: list[Path]) -> mc.ModelConfig:
-        config_path = path / "config.pbtxt"
+        config_path = source.config_file(path, self._config_name)
         if override is not None and override.config_json:
             raw = model_config.parse_config_json(override.config_json, f"the 'config' parameter of '{name}'")
             origin = f"the 'config' parameter of '{name}'"

@@ -12,9 +12,15 @@ class ModelSource:
     path: Path  # <repository>/<model>
     duplicate_of: Path | None = None  # set when the same name exists in two repositories
 
-    @property
-    def config_path(self) -> Path:
-        return self.path / "config.pbtxt"
+
+def config_file(model_path: Path, config_name: str = "") -> Path:
+    """The model's configuration file: `configs/<config_name>.pbtxt` when --model-config-name names
+    one the model has, else `config.pbtxt` (Triton's custom model configuration rule)."""
+    if config_name:
+        custom = model_path / "configs" / f"{config_name}.pbtxt"
+        if custom.is_file():
+            return custom
+    return model_path / "config.pbtxt"
 
 
 def scan(repositories: list[Path]) -> dict[str, ModelSource]:

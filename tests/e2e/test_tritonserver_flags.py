@@ -99,3 +99,22 @@ def test_grpc_tls_and_mutual_tls(pki: Path, tmp_path: Path) -> None:
                       certificate_chain=str(pki / "client.pem")) == [1, 2, 3]
     finally:
         assert server.stop() == 0
+
+
+def test_model_config_name_picks_a_custom_config(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    shutil.copytree(EXAMPLE_REPO / "identity_fp32", repo / "identity_fp32")
+    (repo / "simple" / "configs").mkdir()
+    custom = (repo / "simple" / "config.pbtxt").read_text().replace("max_batch_size: 8", "max_batch_size: 2")
+    assert "max_batch_size: 2" in custom
+    (repo / "simple" / "configs" / "small.pbtxt").write_text(custom)
+    server = start_pier([repo], "--model-config-name=small", log_path=tmp_path / "log")
+    try:
+        def config(model: str) -> dict:
+            return requests.get(f"{server.base()}/v2/models/{model}/config", timeout=5).json()
+
+        assert config("simple")["max_batch_size"] == 2  # configs/small.pbtxt
+        assert config("identity_fp32")["max_batch_size"] == 64  # no configs/small.pbtxt: config.pbtxt
+    finally:
+        assert server.stop() == 0
