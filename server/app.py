@@ -10,7 +10,7 @@ import signal
 
 from aiohttp import web
 
-from server import log_settings
+from server import log_settings, restrictions
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.frontends.grpc.servicer import start_grpc_server
@@ -55,14 +55,17 @@ class PierServer:
     async def start_endpoints(self) -> None:
         s = self.settings
         if s.allow_http:
-            app = build_app(self.plane, self.control, s.http_max_input_size)
+            app = build_app(self.plane, self.control, s.http_max_input_size,
+                            restrictions.parse(s.http_restricted_api, "--http-restricted-api"))
             await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
             address = f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
                 self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size,
-                                                     s.grpc_options, s.reuse_grpc_port, s.grpc_ssl)
+                                                     s.grpc_options, s.reuse_grpc_port, s.grpc_ssl,
+                                                     restrictions.parse(s.grpc_restricted_protocol,
+                                                                        "--grpc-restricted-protocol"))
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")

@@ -71,6 +71,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--grpc-server-cert", default="", metavar="PEM")
     flag("--grpc-server-key", default="", metavar="PEM")
     flag("--grpc-root-cert", default="", metavar="PEM")
+    flag("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+         help="answer these API categories only to requests with header KEY: VALUE (repeatable)")
+    flag("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+         help="the same for gRPC (clients send the header as triton-grpc-protocol-KEY)")
     for name in GRPC_OPTIONS:
         flag(f"--{name}", type=_bool if name.endswith("permit-without-calls") else int, default=None)
     for name in IGNORED_FLAGS:  # so tritonserver command lines run unchanged; logged at startup
@@ -150,6 +154,14 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parse_trace_config(args.trace_config)
     except ValueError as exc:
         parser.error(str(exc))
+    from server import restrictions
+
+    for flag_name, specs in (("--http-restricted-api", args.http_restricted_api),
+                             ("--grpc-restricted-protocol", args.grpc_restricted_protocol)):
+        try:
+            restrictions.parse(specs, flag_name)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.repository_poll_secs <= 0:
         parser.error("--repository-poll-secs must be positive")
     return Settings(
@@ -184,6 +196,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         allow_cpu_metrics=args.allow_cpu_metrics,
         server_id=args.id,
         model_config_name=args.model_config_name,
+        http_restricted_api=tuple(args.http_restricted_api),
+        grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         reuse_http_port=args.reuse_http_port,
         reuse_grpc_port=args.reuse_grpc_port,
         grpc_ssl=_grpc_ssl(args, parser),

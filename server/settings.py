@@ -43,6 +43,8 @@ class Settings:
     reuse_grpc_port: bool = False
     grpc_ssl: GrpcSsl | None = None
     grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 settings, as grpc channel args
+    http_restricted_api: tuple[str, ...] = ()  # "CATEGORIES:KEY=VALUE" items (server/restrictions.py)
+    grpc_restricted_protocol: tuple[str, ...] = ()
     ignored_flags: tuple[str, ...] = ()  # tritonserver flags accepted with no effect (logged at startup)
 
 

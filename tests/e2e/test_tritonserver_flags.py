@@ -4,6 +4,7 @@ in a startup warning)."""
 
 from __future__ import annotations
 
+import queue
 import shutil
 import subprocess
 import sys
@@ -118,3 +119,58 @@ def test_model_config_name_picks_a_custom_config(tmp_path: Path) -> None:
         assert config("identity_fp32")["max_batch_size"] == 64  # no configs/small.pbtxt: config.pbtxt
     finally:
         assert server.stop() == 0
+
+
+def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
+    """Triton 2.51's answers, probed with the same flags: 403 on HTTP, UNAVAILABLE on gRPC (whose
+    clients send the key as triton-grpc-protocol-<key>); unrestricted categories stay open."""
+    server = start_pier([EXAMPLE_REPO], "--model-control-mode=explicit", "--load-model=simple",
+                        "--http-restricted-api=model-repository,statistics:admin-key=secret",
+                        "--grpc-restricted-protocol=model-repository,inference:admin-key=secret",
+                        log_path=tmp_path / "log")
+    base = server.base()
+    try:
+        for method, path in (("GET", "/v2/models/stats"), ("POST", "/v2/repository/index"),
+                             ("GET", "/v2/models/simple/stats"), ("POST", "/v2/repository/models/simple/load")):
+            r = requests.request(method, base + path, timeout=30)
+            assert r.status_code == 403, (path, r.text)
+            assert r.json() == {"error": "This API is restricted, expecting header 'admin-key'"}
+            assert requests.request(method, base + path, headers={"admin-key": "nope"}, timeout=30).status_code == 403
+            assert requests.request(method, base + path, headers={"admin-key": "secret"}, timeout=30).status_code == 200
+        assert requests.get(base + "/v2/models/simple", timeout=5).status_code == 200  # metadata: open
+        assert requests.get(base + "/v2/models/simple/ready", timeout=5).status_code == 200
+        g = grpcclient.InferenceServerClient(server.grpc_url)
+        with pytest.raises(InferenceServerException) as refused:
+            _infer(server.grpc_url)
+        assert refused.value.status() == "StatusCode.UNAVAILABLE"
+        assert "This protocol is restricted, expecting header 'triton-grpc-protocol-admin-key'" in str(refused.value)
+        with pytest.raises(InferenceServerException):
+            g.get_model_repository_index()
+        assert g.get_model_repository_index(headers={"triton-grpc-protocol-admin-key": "secret"}).models
+        assert g.get_inference_statistics("simple").model_stats  # statistics are restricted on HTTP only
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+        b = grpcclient.InferInput("INPUT1", [1, 16], "INT32")
+        a.set_data_from_numpy(np.zeros((1, 16), np.int32))
+        b.set_data_from_numpy(np.ones((1, 16), np.int32))
+        r = client.infer("simple", [a, b], headers={"triton-grpc-protocol-admin-key": "secret"})
+        assert r.as_numpy("OUTPUT0")[0, 0] == 1
+        answers: queue.Queue = queue.Queue()  # a stream without the header is refused at once (as Triton)
+        client.start_stream(callback=lambda result, error: answers.put(error))
+        try:
+            client.async_stream_infer("simple", [a, b])
+        except InferenceServerException:  # the stream was already closed by the refusal
+            pass
+        error = answers.get(timeout=10)
+        client.stop_stream()
+        assert error is not None and "This protocol is restricted" in str(error)
+    finally:
+        assert server.stop() == 0
+
+
+def test_restriction_flags_are_checked() -> None:
+    for spec, text in (("bogus:k=v", "unknown restricted category 'bogus'"), ("inference", "CATEGORY"),
+                       ("inference,inference:k=v", "restricted more than once")):
+        proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+                               f"--http-restricted-api={spec}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 2 and text in proc.stderr, (spec, proc.stderr)

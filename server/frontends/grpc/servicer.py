@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from server import log_settings, shared_memory
+from server import log_settings, restrictions, shared_memory
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError, unsupported
@@ -308,10 +308,13 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str, max_message_bytes: int,
                             options: Sequence[tuple[str, int]] = (), reuse_port: bool = False,
-                            ssl: GrpcSsl | None = None) -> grpc.aio.Server:
-    """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), and
-    `ssl` serves TLS (mutual: client certificates must chain to its root certificate)."""
-    server = grpc.aio.server(options=[
+                            ssl: GrpcSsl | None = None, restricted: restrictions.Rules | None = None
+                            ) -> grpc.aio.Server:
+    """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), `ssl`
+    serves TLS (mutual: client certificates must chain to its root certificate), `restricted`
+    names protocol categories that need a header (--grpc-restricted-protocol)."""
+    interceptors = [restrictions.GrpcRestrictions(restricted)] if restricted else None
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port)),

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from server import log_settings, shared_memory
+from server import log_settings, restrictions, shared_memory
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError, invalid_arg
@@ -298,8 +298,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 MAX_BODY_BYTES = (1 << 31) - 1
 
 
-def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=max(max_input_size, MAX_BODY_BYTES))
+def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
+              restricted: restrictions.Rules | None = None) -> web.Application:
+    """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api)."""
+    middlewares = [error_middleware] + ([restrictions.http_middleware(restricted)] if restricted else [])
+    app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     h = HttpHandlers(plane, control, max_input_size)
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
