@@ -105,9 +105,9 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 
-def accumulate_model() -> bytes:
-    """OUTPUT = (START ? 0 : STATE_IN) + INPUT = STATE_OUT; CTRL = [START, END, READY]; CORR_OUT = CORRID;
-    STATE_SEEN = STATE_IN."""
+def accumulate_model(corrid: str = "UINT64") -> bytes:
+    """OUTPUT = (START ? 0 : STATE_IN) + INPUT = STATE_OUT; CTRL = [START, END, READY]; CORR_OUT = CORRID
+    (of datatype `corrid`); STATE_SEEN = STATE_IN."""
     f = TensorProto.FLOAT
     vi = helper.make_tensor_value_info
     nodes = [
@@ -124,9 +124,9 @@ def accumulate_model() -> bytes:
     graph = helper.make_graph(
         nodes, "accumulate",
         [vi("INPUT", f, ["n", 1]), vi("START", TensorProto.INT32, ["n", 1]), vi("END", f, ["n", 1]),
-         vi("READY", TensorProto.BOOL, ["n", 1]), vi("CORRID", TensorProto.UINT64, ["n", 1]),
+         vi("READY", TensorProto.BOOL, ["n", 1]), vi("CORRID", ONNX_TYPES[corrid], ["n", 1]),
          vi("STATE_IN", f, ["n", 1])],
-        [vi("OUTPUT", f, ["n", 1]), vi("CTRL", f, ["n", 3]), vi("CORR_OUT", TensorProto.UINT64, ["n", 1]),
+        [vi("OUTPUT", f, ["n", 1]), vi("CTRL", f, ["n", 3]), vi("CORR_OUT", ONNX_TYPES[corrid], ["n", 1]),
          vi("STATE_OUT", f, ["n", 1]), vi("STATE_SEEN", f, ["n", 1])],
         [numpy_helper.from_array(np.array(1.0, np.float32), "one")],
     )

@@ -69,10 +69,16 @@ class ModelStatistics:
         """Statistics that keep a bounded window of recent requests when `keep_recent` (summaries)."""
         return cls(recent=deque(maxlen=RECENT_REQUESTS) if keep_recent else None)
 
-    def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
-        """One model execution over `batch_size` elements."""
+    def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int,
+                         succeeded: int | None = None) -> None:
+        """One model execution over `batch_size` elements, `succeeded` of them successfully (all,
+        when None). As Triton documents them, inference_count and execution_count count successful
+        inferences only: an execution whose every request failed adds nothing."""
+        succeeded = batch_size if succeeded is None else succeeded
+        if not succeeded:
+            return
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += succeeded
         b = self.batches.get(batch_size)
         if b is None:
             b = self.batches[batch_size] = BatchStats()

@@ -43,13 +43,13 @@ class DirectScheduler(Scheduler):
         input_ns = job.start_ns - job.picked_ns
         infer_ns = job.end_ns - job.start_ns
         output_ns = done - job.end_ns
-        self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns)
         if item.request.trace:
             item.request.trace.compute(job.picked_ns, job.start_ns, job.end_ns, done)
         result = job.results[0]
         if self._layout is not None:
             result = split(result, [item.batch_size], [item.request], self._layout)[0]
         ok = not isinstance(result, Exception)
+        self._stats.record_execution(item.batch_size, input_ns, infer_ns, output_ns, item.batch_size if ok else 0)
         self._stats.record_request(
             ok, done - item.enqueued_ns, job.picked_ns - item.enqueued_ns, input_ns, infer_ns, output_ns,
             reason=None if ok else "BACKEND",

@@ -316,7 +316,8 @@ class DynamicBatcher(Scheduler):
         input_ns = job.start_ns - job.picked_ns
         infer_ns = job.end_ns - job.start_ns
         output_ns = done - job.end_ns
-        self._stats.record_execution(sum(sizes), input_ns, infer_ns, output_ns)
+        succeeded = sum(size for size, result in zip(sizes, results) if not isinstance(result, Exception))
+        self._stats.record_execution(sum(sizes), input_ns, infer_ns, output_ns, succeeded)
         for p, result in zip(batch, results):
             ok = not isinstance(result, Exception)
             self._stats.record_request(ok, done - p.item.enqueued_ns, job.picked_ns - p.item.enqueued_ns,

@@ -31,7 +31,7 @@ import numpy as np
 
 from backends.base import ExecuteResult
 from server.datatypes import numpy_dtype
-from server.errors import PierError, invalid_arg
+from server.errors import PierError, internal, invalid_arg
 from server.scheduling.base import Scheduler, WorkItem
 from server.types import InferenceRequest, RequestedOutput, Tensor
 
@@ -167,9 +167,9 @@ class SequenceBatcher(Scheduler):
         lead = (1,) if self._policy.batched else ()
         extra = []
         for c in self._policy.controls:
-            if c.kind == "CORRID":
-                value: Any = (corrid if isinstance(corrid, str) else str(corrid)).encode() \
-                    if c.datatype == "BYTES" else _as_uint64(corrid)
+            if c.kind == "CORRID":  # a numeric CORRID narrower than 64 bits wraps, as Triton's cast does
+                value: Any = (corrid if isinstance(corrid, str) else str(corrid)).encode() if c.datatype == "BYTES" \
+                    else np.uint64(_as_uint64(corrid)).astype(numpy_dtype(c.datatype))
             else:
                 flag = {"START": start, "END": end, "READY": True}[c.kind]
                 value = c.values[1] if flag else c.values[0]
@@ -193,7 +193,7 @@ class SequenceBatcher(Scheduler):
         for s in self._policy.states:
             t = by_name.get(s.output_name)
             if t is None:
-                return invalid_arg(f"model '{self._model}' did not produce its state output '{s.output_name}'")
+                return internal(f"model '{self._model}' did not produce its state output '{s.output_name}'")
             seq.state[s.input_name] = np.array(t.data, copy=True)
         shown = self._policy.returned_states  # a client asking for no outputs in particular gets all of these
         if request.outputs:

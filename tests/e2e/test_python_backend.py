@@ -108,6 +108,7 @@ def _mode(mod, text: str) -> list:
 @pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
 def test_model_errors_fail_only_their_request(server: PierProcess, mod) -> None:
     client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    before = requests.get(f"{server.base()}/v2/models/fails_py/stats", timeout=10).json()["model_stats"][0]
     with pytest.raises(InferenceServerException, match="asked to raise") as raised:
         client.infer("fails_py", _mode(mod, "raise"))
     assert "fails_py" in str(raised.value)
@@ -117,6 +118,12 @@ def test_model_errors_fail_only_their_request(server: PierProcess, mod) -> None:
         assert err.value.status() == "400"  # TritonError INVALID_ARG -> 400
     assert client.infer("fails_py", _mode(mod, "hello")).as_numpy("ECHO")[0] == b"hello"
     assert client.is_server_live()
+    after = requests.get(f"{server.base()}/v2/models/fails_py/stats", timeout=10).json()["model_stats"][0]
+    # As Triton documents them, inference_count and execution_count count successes only.
+    assert after["inference_count"] - before["inference_count"] == 1
+    assert after["execution_count"] - before["execution_count"] == 1
+    stats = after["inference_stats"]
+    assert stats["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 2
 
 
 def test_dynamic_batching_hands_execute_a_list(server: PierProcess) -> None:

@@ -37,6 +37,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     folder = write_model(repo, "init_file", init, accumulate_model())
     (folder / "initial_state").mkdir()
     (folder / "initial_state" / "ten.bin").write_bytes(np.array([10.0], np.float32).tobytes())
+    corr32 = CONFIG.replace('name: "accumulate"', 'name: "corr32"').replace("TYPE_UINT64", "TYPE_INT32")
+    write_model(repo, "corr32", corr32, accumulate_model("INT32"))
     auto = CONFIG.replace('name: "accumulate"', 'name: "auto_io"').split("sequence_batching")[1]
     write_model(repo, "auto_io", 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nsequence_batching' + auto,
                 accumulate_model())
@@ -146,6 +148,22 @@ def test_refusals_as_triton(server) -> None:
     assert r.status_code == 400 and r.json()["error"] == not_started.format(10)
     r = infer_json(server, {"sequence_id": -3, "sequence_start": True})
     assert r.status_code == 400 and "sequence_id" in r.json()["error"]
+
+
+def test_narrow_corrid_wraps_as_triton(server) -> None:
+    """An INT32 CORRID gets the ID cast as Triton casts it (2^31 -> -2^31, 2^33 + 5 -> 5); a string
+    ID gets a stable 32-bit value. Before, these were 500s."""
+    h = httpclient.InferenceServerClient(server.http_url)
+    for seq, expected in ((2**31, -2**31), (2**33 + 5, 5), (12, 12)):
+        i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[1.0]], np.float32))
+        r = h.infer("corr32", [i], sequence_id=seq, sequence_start=True, sequence_end=True)
+        assert r.as_numpy("CORR_OUT").tolist() == [[expected]], seq
+    for _ in range(2):
+        i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[1.0]], np.float32))
+        r = h.infer("corr32", [i], sequence_id="s1", sequence_start=True, sequence_end=True)
+        assert r.as_numpy("CORR_OUT").dtype == np.int32
 
 
 def test_initial_state_from_a_data_file(server) -> None:
