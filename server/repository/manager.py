@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import glob
 import hashlib
 import logging
@@ -28,7 +29,7 @@ from server.lifecycle.warmup import warm_up
 from server.protocol import model_config_pb2 as mc
 from server.repository import model_config, source
 from server.repository.version_policy import select_versions
-from server.scheduling.ensemble import EnsembleScheduler, build_plan
+from server.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
 from server.statistics import ModelStatistics
 from server.types import ModelSignature, ModelSpec
 
@@ -602,10 +603,23 @@ class RepositoryManager:
             return "ensembles need the data plane, which is not running"
         try:
             plan = build_plan(config, spec, self._spec_of)
+            spec = self._inherit_labels(spec, plan)
         except PierError as exc:
             return exc.message
         stats = ModelStatistics.create(self._keep_recent)
         return LoadedModel(spec, config, version, EnsembleScheduler(plan, self.services.infer_async, stats), stats)
+
+    def _inherit_labels(self, spec: ModelSpec, plan: EnsemblePlan) -> ModelSpec:
+        """An ensemble output without a label_filename classifies with the labels of the composing
+        model output it comes from, as Triton does (its responses are the composing model's)."""
+        labels = dict(spec.labels)
+        for step in plan.steps:
+            for model_output, tensor in step.outputs:
+                if tensor not in labels and spec.output(tensor) is not None:
+                    inherited = self._spec_of(step.model, step.version).labels.get(model_output)
+                    if inherited:
+                        labels[tensor] = inherited
+        return spec if labels == spec.labels else dataclasses.replace(spec, labels=labels)
 
     def _spec_of(self, name: str, version: str) -> ModelSpec:
         """The spec requests to (name, version) would use now (ensemble validation)."""

@@ -49,6 +49,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                 identity("FP32", [None, None]))
     write_model(repo, "cls_outside", config("cls_outside", "FP32", 8, "[ -1 ]", "../cls_fp32/labels.txt"),
                 identity("FP32", [None, None]))
+    ens = repo / "cls_ens"
+    ens.mkdir()
+    (ens / "1").mkdir()
+    (ens / "config.pbtxt").write_text(
+        'name: "cls_ens"\nplatform: "ensemble"\nmax_batch_size: 8\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        'ensemble_scheduling { step [ { model_name: "cls_fp32" model_version: -1 '
+        'input_map { key: "INPUT0" value: "X" } output_map { key: "OUTPUT0" value: "Y" } } ] }\n')
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false",
                       log_path=repo.parent / "pier.log")
     yield proc
@@ -76,6 +85,14 @@ def test_top_k_per_batch_entry_with_labels(server) -> None:
                                       "data": [0.5, 2.0, -1.0, 2.0, 7.25]}
     r = infer_json(server, "cls_fp32", "FP32", [1, 0], [[]], {"classification": 2})  # crashed Triton 2.51
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 0]
+
+
+def test_ensemble_output_classifies_with_the_composing_models_labels(server) -> None:
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 5], "data": X[:1]}],
+            "outputs": [{"name": "Y", "parameters": {"classification": 2}}]}
+    r = requests.post(f"{server.base()}/v2/models/cls_ens/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == ["7.250000:4:four", "2.000000:1:one"]  # as Triton 2.51
 
 
 def test_integer_and_multi_dim_outputs(server) -> None:
