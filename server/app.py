@@ -18,6 +18,7 @@ from server.frontends.http.app import build_app
 from server.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from server.repository.manager import RepositoryManager
 from server.repository.watcher import RepositoryWatcher
+from server.response_cache import ResponseCache
 from server.services import PlaneServices
 from server.settings import Settings
 from server.tracing import Tracer, parse_trace_config
@@ -46,7 +47,8 @@ class PierServer:
             config_name=settings.model_config_name,
         )
         self.plane = DataPlane(self.manager, settings.strict_readiness,
-                               Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id)
+                               Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id,
+                               ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None)
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
@@ -71,7 +73,7 @@ class PierServer:
             log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")
         if s.allow_metrics:
             renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
-                                       self.manager.traffic, s.allow_cpu_metrics)
+                                       self.manager.traffic, s.allow_cpu_metrics, self.plane.cache)
 
             async def metrics(request: web.Request) -> web.Response:
                 return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -71,6 +71,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--grpc-server-cert", default="", metavar="PEM")
     flag("--grpc-server-key", default="", metavar="PEM")
     flag("--grpc-root-cert", default="", metavar="PEM")
+    flag("--cache-config", action="append", default=[], metavar="local,size=BYTES",
+         help="the response cache (models opt in with response_cache { enable: true })")
+    flag("--response-cache-byte-size", type=int, default=None, help="deprecated spelling of --cache-config local,size=")
     flag("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
          help="answer these API categories only to requests with header KEY: VALUE (repeatable)")
     flag("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
@@ -99,8 +102,8 @@ GRPC_OPTIONS = {
 IGNORED_FLAGS = (
     "backend-directory", "backend-config", "repoagent-directory", "pinned-memory-pool-byte-size",
     "cuda-memory-pool-byte-size", "cuda-virtual-address-size", "min-supported-compute-capability",
-    "buffer-manager-thread-count", "host-policy", "rate-limit", "rate-limit-resource", "cache-config",
-    "cache-directory", "response-cache-byte-size", "http-thread-count", "grpc-infer-allocation-pool-size",
+    "buffer-manager-thread-count", "host-policy", "rate-limit", "rate-limit-resource",
+    "cache-directory", "http-thread-count", "grpc-infer-allocation-pool-size",
     "grpc-max-response-pool-size", "grpc-infer-response-compression-level", "model-load-retry-count",
     "http-header-forward-pattern", "grpc-header-forward-pattern", "allow-sagemaker", "allow-vertex-ai",
     "model-namespacing",
@@ -162,6 +165,14 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             restrictions.parse(specs, flag_name)
         except ValueError as exc:
             parser.error(str(exc))
+    from server.response_cache import parse_cache_config
+
+    try:
+        cache_bytes = parse_cache_config(args.cache_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.response_cache_byte_size is not None and not args.cache_config:
+        cache_bytes = args.response_cache_byte_size
     if args.repository_poll_secs <= 0:
         parser.error("--repository-poll-secs must be positive")
     return Settings(
@@ -197,6 +208,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         server_id=args.id,
         model_config_name=args.model_config_name,
         http_restricted_api=tuple(args.http_restricted_api),
+        response_cache_bytes=cache_bytes,
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         reuse_http_port=args.reuse_http_port,
         reuse_grpc_port=args.reuse_grpc_port,

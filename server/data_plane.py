@@ -4,6 +4,7 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -13,6 +14,7 @@ from server.errors import PierError, invalid_arg, unavailable, unsupported
 from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
+from server.response_cache import ResponseCache
 from server.scheduling.base import WorkItem
 from server.shared_memory import SystemSharedMemory
 from server.tracing import Trace, Tracer
@@ -36,8 +38,9 @@ def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Ten
 
 class DataPlane:
     def __init__(self, manager: RepositoryManager, strict_readiness: bool, tracer: Tracer | None = None,
-                 server_id: str = SERVER_NAME) -> None:
+                 server_id: str = SERVER_NAME, cache: ResponseCache | None = None) -> None:
         self.server_id = server_id
+        self.cache = cache  # --cache-config: models with response_cache enabled use it
         self._manager = manager
         self._strict = strict_readiness
         self._started = False
@@ -210,6 +213,26 @@ class DataPlane:
 
     async def _infer(self, model: LoadedModel, request: InferenceRequest) -> InferenceResponse:
         batch = self._validate(model, request)
+        if self.cache is not None and model.spec.response_cache:
+            return await self._infer_cached(model, request, batch, self.cache)
+        return await self._run(model, request, batch)
+
+    async def _infer_cached(self, model: LoadedModel, request: InferenceRequest, batch: int,
+                            cache: ResponseCache) -> InferenceResponse:
+        start = time.perf_counter_ns()
+        key = ResponseCache.key(model.spec.name, model.version, request)
+        outputs = cache.get(key)
+        if outputs is not None:
+            lookup_ns = time.perf_counter_ns() - start
+            model.stats.record_cache_hit(lookup_ns, lookup_ns)
+            return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
+        response = await self._run(model, request, batch)
+        start = time.perf_counter_ns()
+        cache.put(key, response.outputs)
+        model.stats.cache_miss.add(time.perf_counter_ns() - start)
+        return response
+
+    async def _run(self, model: LoadedModel, request: InferenceRequest, batch: int) -> InferenceResponse:
         trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
         self._begin()
         try:

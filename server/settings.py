@@ -43,6 +43,7 @@ class Settings:
     reuse_grpc_port: bool = False
     grpc_ssl: GrpcSsl | None = None
     grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 settings, as grpc channel args
+    response_cache_bytes: int = 0  # --cache-config local,size=: 0 = no response cache
     http_restricted_api: tuple[str, ...] = ()  # "CATEGORIES:KEY=VALUE" items (server/restrictions.py)
     grpc_restricted_protocol: tuple[str, ...] = ()
     ignored_flags: tuple[str, ...] = ()  # tritonserver flags accepted with no effect (logged at startup)

@@ -86,6 +86,15 @@ class ModelStatistics:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
 
+    def record_cache_hit(self, total_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache: a success (and a queue entry, as Triton
+        counts it) that ran nothing."""
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self.success.add(total_ns)
+        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, total_ns)] += 1
+        self.queue.add(0)
+        self.cache_hit.add(lookup_ns)
+
     def record_request(self, ok: bool, total_ns: int, queue_ns: int = 0, input_ns: int = 0,
                        infer_ns: int = 0, output_ns: int = 0, reason: str | None = None) -> None:
         """One finished request (per-request stage durations count only on success)."""

@@ -124,6 +124,7 @@ class ModelSpec:
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
     labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
     sequence: Any = None  # the SequencePolicy of a model with sequence_batching
+    response_cache: bool = False  # response_cache { enable: true } (the server's --cache-config decides)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_inputs_by_name", {t.name: t for t in self.inputs})

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import prometheus_client
 
 from server.lifecycle.loaded_model import LoadedModel
+from server.response_cache import ResponseCache
 from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -144,12 +145,36 @@ class SystemUsage:
 
 class MetricsRenderer:
     def __init__(self, models: Callable[[], list[LoadedModel]], config: MetricsConfig,
-                 traffic: Callable[[str], dict[int, float]] | None = None, cpu_metrics: bool = True) -> None:
+                 traffic: Callable[[str], dict[int, float]] | None = None, cpu_metrics: bool = True,
+                 cache: ResponseCache | None = None) -> None:
         self._models = models
+        self._cache = cache
         self._cpu_metrics = cpu_metrics
         self._traffic = traffic
         self._config = config
         self._system = SystemUsage()
+
+    @staticmethod
+    def _cache_metrics(models: list[LoadedModel], cache: ResponseCache) -> str:
+        """Triton's response cache families: per model (hits, misses and their durations), and the
+        cache's own fill."""
+        parts = []
+        for name, help_text, stage, get in (
+            ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit", lambda d: d.count),
+            ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
+             "cache_hit", lambda d: d.ns // 1000),
+            ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss", lambda d: d.count),
+            ("nv_cache_miss_duration_per_model",
+             "Total cache miss (insert+lookup) duration per model, in microseconds", "cache_miss",
+             lambda d: d.ns // 1000),
+        ):
+            parts.append(_family(name, "counter", help_text,
+                                 [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
+        parts.append(_family("nv_cache_num_entries", "gauge", "Number of responses stored in response cache",
+                             [f"nv_cache_num_entries {len(cache)}\n"]))
+        parts.append(_family("nv_cache_util", "gauge", "Cache utilization [0.0 - 1.0]",
+                             [f"nv_cache_util {cache.used / cache.capacity if cache.capacity else 0.0:g}\n"]))
+        return "".join(parts)
 
     def render(self) -> bytes:
         models = sorted(self._models(), key=lambda m: (m.spec.name, m.version))
@@ -166,6 +191,8 @@ class MetricsRenderer:
             for name, help_text, _, _, stage in _STAGE_METRICS:
                 rows = [f"{name}{{{_labels(m)}}} {getattr(m.stats, stage).ns // 1000}\n" for m in models]
                 parts.append(_family(name, "counter", help_text, rows))
+        if self._cache is not None:
+            parts.append(self._cache_metrics(models, self._cache))
         parts.append(_family(
             "nv_inference_pending_request_count", "gauge",
             "Instantaneous number of pending requests awaiting execution per-model.",

@@ -392,6 +392,8 @@ def build_spec(config: mc.ModelConfig, model_dir: Path | None = None) -> ModelSp
         labels={t.name: read_labels(model_dir, t.label_filename, t.name)
                 for t in config.output if t.label_filename and model_dir is not None},
         sequence=sequence_policy(config, model_dir) if config.HasField("sequence_batching") else None,
+        response_cache=(config.response_cache.enable and not config.model_transaction_policy.decoupled
+                        and not config.HasField("sequence_batching")),  # answers that depend on more than inputs
     )
 
 

@@ -41,6 +41,8 @@ def test_tritonserver_command_line_runs_unchanged(tmp_path: Path) -> None:
 
 def test_bad_values_and_missing_certificates_are_errors(tmp_path: Path) -> None:
     for flags, text in ((["--grpc-keepalive-time=soon"], "--grpc-keepalive-time"),
+                        (["--cache-config=redis,host=cache.local"], "only the 'local' cache is available"),
+                        (["--cache-config=local,size=lots"], "size must be a number of bytes"),
                         (["--grpc-use-ssl"], "--grpc-server-cert is required with --grpc-use-ssl"),
                         (["--grpc-use-ssl", f"--grpc-server-cert={tmp_path / 'nope.pem'}"], "no such file")):
         proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}", *flags],
