@@ -87,12 +87,19 @@ class PythonInstance(ModelInstance):
                                   f"{type(exc).__name__}: {exc}") from None
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        result = fn(*args)
-        if inspect.iscoroutine(result):
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            result = self._loop.run_until_complete(result)
-        return result
+        pb_utils._owner.current = self  # custom metric families made now belong to this instance
+        try:
+            result = fn(*args)
+            if inspect.iscoroutine(result):
+                if self._loop is None:
+                    self._loop = asyncio.new_event_loop()
+                result = self._loop.run_until_complete(result)
+            return result
+        finally:
+            pb_utils._owner.current = None
+
+    def prometheus(self, model: str, version: str) -> str:
+        return pb_utils.render_metric_families(self)
 
     def _to_result(self, response: Any) -> ExecuteResult:
         if not isinstance(response, pb_utils.InferenceResponse):
@@ -135,6 +142,7 @@ class PythonInstance(ModelInstance):
                 self._call(self._model.finalize)
             except Exception:  # finalize failing must not stop the unload
                 pass
+        pb_utils.release_metric_families(self)
         if self._loop is not None:
             self._loop.close()
 

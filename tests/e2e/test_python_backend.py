@@ -198,3 +198,35 @@ def test_generate_needs_exactly_one_response(server: PierProcess) -> None:
         assert r.status_code == 400 and "exactly 1 response" in r.json()["error"] and word in r.json()["error"]
     events = requests.post(f"{url}/generate_stream", json={"IN": 3}, timeout=30).text.split("\n\n")
     assert [json.loads(e.removeprefix("data: "))["OUT"] for e in events if e] == [3, 3, 3]
+
+
+def test_custom_metrics(server: PierProcess) -> None:
+    """pb_utils.MetricFamily families on the metrics port: the text Triton 2.51 exported for the
+    same model and requests (probed side by side), and Triton's refusals of misuse."""
+    for data in ([1.0, 2.0, 3.0], [5.0]):
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, len(data)], "data": data}]}
+        r = requests.post(f"{server.base()}/v2/models/metric_py/infer", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+    outputs = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert outputs["VALUE"] == [2.0]
+    assert outputs["OUTPUT0"][0].split("|") == [
+        "TritonModelException:Failed to increment metric value: TRITONSERVER_METRIC_KIND_COUNTER can only be "
+        "incremented monotonically by non-negative values.",
+        "TritonModelException:Failed to set metric value: TRITONSERVER_METRIC_KIND_COUNTER does not support Set",
+        "TritonModelException:Failed to increment metric value: TRITONSERVER_METRIC_KIND_HISTOGRAM does not support "
+        "Increment",
+        "TritonModelException:Failed to observe metric value: TRITONSERVER_METRIC_KIND_GAUGE does not support Observe"]
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    labels = '{model="metric_py",version="1"}'
+    expected = (
+        "# HELP custom_requests Requests seen\n# TYPE custom_requests counter\n"
+        f"custom_requests{labels} 2\n"
+        "# HELP custom_depth Last input sum\n# TYPE custom_depth gauge\n"
+        f"custom_depth{labels} 5\n"
+        "# HELP custom_sizes Input sizes\n# TYPE custom_sizes histogram\n"
+        f"custom_sizes_count{labels} 2\ncustom_sizes_sum{labels} 4\n"
+        'custom_sizes_bucket{model="metric_py",version="1",le="1"} 1\n'
+        'custom_sizes_bucket{model="metric_py",version="1",le="4"} 2\n'
+        'custom_sizes_bucket{model="metric_py",version="1",le="16"} 2\n'
+        'custom_sizes_bucket{model="metric_py",version="1",le="+Inf"} 2\n')
+    assert expected in text, text
