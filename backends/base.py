@@ -41,6 +41,15 @@ class ServerServices(Protocol):
     def infer_stream_async(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
         """Async iterator over a (decoupled) model's responses, from any event loop."""
 
+    def load_model(self, name: str, parameters: dict[str, Any]) -> None:
+        """Blocking explicit-mode load (the repository API's parameters); raises PierError."""
+
+    def unload_model(self, name: str, parameters: dict[str, Any]) -> None:
+        """Blocking explicit-mode unload; raises PierError."""
+
+    def model_ready(self, name: str, version: str) -> bool:
+        """Whether the model (version) can serve now."""
+
 
 @dataclass(frozen=True)
 class ModelContext:

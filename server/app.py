@@ -136,7 +136,7 @@ async def serve(settings: Settings) -> int:
         log.error("failed to start: %s", exc)
         await server.shutdown()
         return 1
-    server.manager.services = PlaneServices(server.plane, loop)
+    server.manager.services = PlaneServices(server.plane, loop, server.control)
     errors = await server.load_models()
     if errors and settings.exit_on_error:
         for e in errors:

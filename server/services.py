@@ -10,6 +10,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
 from server.errors import PierError, internal
 from server.types import InferenceRequest, InferenceResponse
@@ -18,8 +19,9 @@ _END = object()
 
 
 class PlaneServices:
-    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop, control: ControlPlane | None = None) -> None:
         self._plane = plane
+        self._control = control
         self._loop = loop
         self._loop_thread = threading.get_ident()
 
@@ -62,3 +64,28 @@ class PlaneServices:
         asyncio.run_coroutine_threadsafe(self._pump(request, put), self._loop)
         while (item := await items.get()) is not _END:
             yield item
+
+    # ---- model management (pb_utils.load_model / unload_model / is_model_ready) ------------
+
+    def _on_loop(self, work: Any) -> Any:
+        self._check_thread()
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
+    def load_model(self, name: str, parameters: dict[str, Any]) -> None:
+        if self._control is None:
+            raise internal("model control is not available to models here")
+        self._on_loop(self._control.load(name, parameters))
+
+    def unload_model(self, name: str, parameters: dict[str, Any]) -> None:
+        if self._control is None:
+            raise internal("model control is not available to models here")
+        self._on_loop(self._control.unload(name, parameters))
+
+    def model_ready(self, name: str, version: str) -> bool:
+        async def ready() -> bool:
+            try:
+                return self._plane.model_ready(name, version)
+            except PierError:
+                return False
+
+        return bool(self._on_loop(ready()))

@@ -5,8 +5,9 @@ unchanged. Pier registers this module under that name in sys.modules before load
 Implemented: Tensor (numpy and DLPack), InferenceRequest (inputs, requested outputs, ids,
 parameters, response sender, cancellation; and as a BLS request: exec / async_exec, decoupled
 too), InferenceResponse, InferenceResponseSender, TritonError, TritonModelException, the
-get_*_by_name helpers, type conversions, the decoupled-policy check, Logger, and custom
-metrics (MetricFamily / Metric: counters, gauges, histograms, on the metrics port).
+get_*_by_name helpers, type conversions, the decoupled-policy check, Logger, custom
+metrics (MetricFamily / Metric: counters, gauges, histograms, on the metrics port), and model
+management from a model (load_model, unload_model, is_model_ready).
 """
 
 from __future__ import annotations
@@ -348,6 +349,33 @@ class Logger:
 
 
 LogLevel = Logger.LogLevel
+
+
+# ---- model management (BLS) -----------------------------------------------------------------------
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) a model, as the repository API does: `config` is its ModelConfig as JSON,
+    `files` maps "file:<version>/<name>" to contents. Explicit model control mode only; blocking,
+    so call it from execute, not from initialize or finalize."""
+    parameters: dict[str, Any] = dict(files or {})
+    if config:
+        parameters["config"] = config
+    try:
+        _require_services().load_model(model_name, parameters)
+    except Exception as exc:
+        raise TritonModelException(f"Failed to load the model '{model_name}': {getattr(exc, 'message', exc)}") from None
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    try:
+        _require_services().unload_model(model_name, {"unload_dependents": unload_dependents})
+    except Exception as exc:
+        raise TritonModelException(f"Failed to unload the model '{model_name}': {getattr(exc, 'message', exc)}") \
+            from None
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    return bool(_require_services().model_ready(model_name, model_version))
 
 
 # ---- custom metrics -------------------------------------------------------------------------------

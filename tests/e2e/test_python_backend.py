@@ -230,3 +230,70 @@ def test_custom_metrics(server: PierProcess) -> None:
         'custom_sizes_bucket{model="metric_py",version="1",le="16"} 2\n'
         'custom_sizes_bucket{model="metric_py",version="1",le="+Inf"} 2\n')
     assert expected in text, text
+
+
+LOADER_MODEL = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            action = pb_utils.get_input_tensor_by_name(r, "ACTION").as_numpy()[0].decode()
+            target = pb_utils.get_input_tensor_by_name(r, "TARGET").as_numpy()[0].decode()
+            try:
+                if action == "ready":
+                    result = str(pb_utils.is_model_ready(target))
+                elif action == "load":
+                    pb_utils.load_model(target)
+                    result = "loaded"
+                elif action == "load_small":
+                    config = json.dumps({"backend": "onnxruntime", "max_batch_size": 2})
+                    pb_utils.load_model(target, config=config)
+                    result = "loaded"
+                else:
+                    pb_utils.unload_model(target)
+                    result = "unloaded"
+            except pb_utils.TritonModelException as exc:
+                result = "error: " + exc.message()
+            text = np.array([result.encode()], dtype=np.object_)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("RESULT", text)]))
+        return out
+'''
+LOADER_CONFIG = """name: "loader_py"
+backend: "python"
+input [ { name: "ACTION" data_type: TYPE_STRING dims: [ 1 ] }, { name: "TARGET" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "RESULT" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+
+def test_models_load_and_unload_models(tmp_path) -> None:
+    """pb_utils.load_model / unload_model / is_model_ready from inside a model (explicit mode)."""
+    repo = tmp_path / "repo"
+    (repo / "loader_py" / "1").mkdir(parents=True)
+    (repo / "loader_py" / "1" / "model.py").write_text(LOADER_MODEL)
+    (repo / "loader_py" / "config.pbtxt").write_text(LOADER_CONFIG)
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    proc = start_pier([repo], "--model-control-mode=explicit", "--load-model=loader_py", log_path=tmp_path / "log")
+    try:
+        client = httpclient.InferenceServerClient(proc.http_url)
+
+        def call(action: str, target: str = "simple") -> str:
+            inputs = []
+            for name, text in (("ACTION", action), ("TARGET", target)):
+                t = httpclient.InferInput(name, [1], "BYTES")
+                t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+                inputs.append(t)
+            return client.infer("loader_py", inputs).as_numpy("RESULT")[0].decode()
+
+        assert call("ready") == "False"
+        assert call("load") == "loaded" and client.is_model_ready("simple") and call("ready") == "True"
+        assert call("load_small") == "loaded"  # a config override, as the repository API takes
+        assert client.get_model_config("simple")["max_batch_size"] == 2
+        assert call("unload") == "unloaded" and not client.is_model_ready("simple")
+        assert call("load", "no_such_model").startswith("error: Failed to load the model 'no_such_model'")
+    finally:
+        assert proc.stop() == 0
