@@ -9,6 +9,7 @@ class TritonPythonModel:
             infer_request = pb_utils.InferenceRequest(
                 model_name="simple",
                 requested_output_names=["OUTPUT0", "OUTPUT1"],
+                preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
                 inputs=[pb_utils.get_input_tensor_by_name(request, "INPUT0"),
                         pb_utils.get_input_tensor_by_name(request, "INPUT1")])
             infer_response = infer_request.exec()
