@@ -211,28 +211,12 @@ class DataPlane:
         if owned:
             self.tracer.finish(trace)
 
-    async def _infer(self, model: LoadedModel, request: InferenceRequest) -> InferenceResponse:
-        batch = self._validate(model, request)
-        if self.cache is not None and model.spec.response_cache:
-            return await self._infer_cached(model, request, batch, self.cache)
-        return await self._run(model, request, batch)
-
-    async def _infer_cached(self, model: LoadedModel, request: InferenceRequest, batch: int,
-                            cache: ResponseCache) -> InferenceResponse:
-        start = time.perf_counter_ns()
-        key = ResponseCache.key(model.spec.name, model.version, request)
-        outputs = cache.get(key)
-        if outputs is not None:
-            lookup_ns = time.perf_counter_ns() - start
-            model.stats.record_cache_hit(lookup_ns, lookup_ns)
-            return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
-        response = await self._run(model, request, batch)
-        start = time.perf_counter_ns()
-        cache.put(key, response.outputs)
-        model.stats.cache_miss.add(time.perf_counter_ns() - start)
-        return response
-
-    async def _run(self, model: LoadedModel, request: InferenceRequest, batch: int) -> InferenceResponse:
+    async def _infer(self, model: LoadedModel, request: InferenceRequest, batch: int = -1) -> InferenceResponse:
+        """Run one request (`batch`: its batch size when already validated, for a cache miss)."""
+        if batch < 0:
+            batch = self._validate(model, request)
+            if self.cache is not None and model.spec.response_cache:
+                return await self._infer_cached(model, request, batch, self.cache)
         trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
         self._begin()
         try:
@@ -252,6 +236,21 @@ class DataPlane:
         if trace is not None:
             trace.stamp("INFER_RESPONSE_COMPLETE")
             self._end_trace(trace, owned, response.outputs)
+        return response
+
+    async def _infer_cached(self, model: LoadedModel, request: InferenceRequest, batch: int,
+                            cache: ResponseCache) -> InferenceResponse:
+        start = time.perf_counter_ns()
+        key = ResponseCache.key(model.spec.name, model.version, request)
+        outputs = cache.get(key)
+        if outputs is not None:
+            lookup_ns = time.perf_counter_ns() - start
+            model.stats.record_cache_hit(lookup_ns, lookup_ns)
+            return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
+        response = await self._infer(model, request, batch)
+        start = time.perf_counter_ns()
+        cache.put(key, response.outputs)
+        model.stats.cache_miss.add(time.perf_counter_ns() - start)
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:
