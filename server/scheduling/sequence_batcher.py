@@ -207,9 +207,5 @@ class SequenceBatcher(Scheduler):
     def pending_count(self) -> int:
         return self._inner.pending_count()
 
-    def sequence_count(self) -> int:
-        """Sequences holding state (started, not ended, not idle past the limit)."""
-        return len(self._sequences)
-
     async def stop(self) -> None:
         await self._inner.stop()
