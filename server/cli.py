@@ -98,7 +98,7 @@ GRPC_OPTIONS = {
 }
 
 # tritonserver flags that have nothing to act on in Pier (backends are built in; no pinned or CUDA
-# memory pools, response cache, rate limiter or namespacing): accepted and named in a warning.
+# memory pools, rate limiter or namespacing): accepted and named in a warning.
 IGNORED_FLAGS = (
     "backend-directory", "backend-config", "repoagent-directory", "pinned-memory-pool-byte-size",
     "cuda-memory-pool-byte-size", "cuda-virtual-address-size", "min-supported-compute-capability",

@@ -243,14 +243,17 @@ class DataPlane:
         start = time.perf_counter_ns()
         key = ResponseCache.key(model.spec.name, model.version, request)
         outputs = cache.get(key)
+        lookup_ns = time.perf_counter_ns() - start
+        cache.lookup_us += lookup_ns / 1000
         if outputs is not None:
-            lookup_ns = time.perf_counter_ns() - start
             model.stats.record_cache_hit(lookup_ns, lookup_ns)
             return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
-        response = await self._infer(model, request, batch)
+        response = await self._infer(model, request, batch)  # an error is raised, so never cached
         start = time.perf_counter_ns()
         cache.put(key, response.outputs)
-        model.stats.cache_miss.add(time.perf_counter_ns() - start)
+        insert_ns = time.perf_counter_ns() - start
+        cache.insertion_us += insert_ns / 1000
+        model.stats.cache_miss.add(lookup_ns + insert_ns)
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:

@@ -8,7 +8,8 @@ queue statistics, and `cache_hit` with the lookup time) but not as an inference 
 miss counts `cache_miss` with the insertion time; the answer carries the new request's id.
 Unlike Triton 2.51, the requested outputs are part of the key (Triton answered a request for one
 output with every output of an earlier request). Least recently used entries are evicted past the
-size; an entry larger than the whole cache is not kept. Decoupled models are never cached.
+size; an entry larger than the whole cache is not kept. A decoupled model with the cache on is a
+load error (Triton's); sequence models are never cached.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class ResponseCache:
         self.capacity = capacity_bytes
         self.used = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        # Cache-wide totals (nv_cache_num_* and nv_cache_*_duration, in microseconds)
+        self.hits = self.misses = self.evictions = 0
+        self.lookup_us = self.insertion_us = 0.0
 
     @staticmethod
     def key(model: str, version: int, request: InferenceRequest) -> bytes:
@@ -73,7 +77,9 @@ class ResponseCache:
     def get(self, key: bytes) -> list[Tensor] | None:
         entry = self._entries.get(key)
         if entry is None:
+            self.misses += 1
             return None
+        self.hits += 1
         self._entries.move_to_end(key)
         return [Tensor(t.name, t.datatype, list(t.shape), t.data) for t in entry[0]]
 
@@ -91,6 +97,7 @@ class ResponseCache:
         while self.used > self.capacity:
             _, (_, evicted) = self._entries.popitem(last=False)
             self.used -= evicted
+            self.evictions += 1
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -28,15 +28,14 @@ def parse(specs: Sequence[str], flag: str) -> Rules:
     for spec in specs:
         categories, sep, header = spec.partition(":")
         key, eq, value = header.partition("=")
-        if not sep or not eq or not key or not categories:
+        if not sep or not eq or not key or not value or not categories:
             raise ValueError(f"{flag}={spec}: expected CATEGORY[,CATEGORY...]:KEY=VALUE")
         for category in categories.split(","):
-            category = category.strip()
             if category not in CATEGORIES:
                 raise ValueError(f"{flag}: unknown restricted category '{category}' (one of {', '.join(CATEGORIES)})")
             if category in rules:
                 raise ValueError(f"{flag}: category '{category}' is restricted more than once")
-            rules[category] = (key.strip(), value)
+            rules[category] = (key, value)
     return rules
 
 
@@ -67,7 +66,8 @@ def http_middleware(rules: Rules) -> Callable[..., Awaitable[web.StreamResponse]
     async def restrict(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
         rule = rules.get(http_category(request.path) or "")
-        if rule is not None and request.headers.get(rule[0]) != rule[1]:
+        # Only real routes are restricted: an unknown path stays a 404, as in Triton.
+        if rule is not None and request.match_info.http_exception is None and request.headers.get(rule[0]) != rule[1]:
             return error_response(403, f"This API is restricted, expecting header '{rule[0]}'")
         return await handler(request)
 

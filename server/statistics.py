@@ -72,13 +72,10 @@ class ModelStatistics:
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int,
                          succeeded: int | None = None) -> None:
         """One model execution over `batch_size` elements, `succeeded` of them successfully (all,
-        when None). As Triton documents them, inference_count and execution_count count successful
-        inferences only: an execution whose every request failed adds nothing."""
-        succeeded = batch_size if succeeded is None else succeeded
-        if not succeeded:
-            return
+        when None). As Triton 2.51 counts them (probed): every execution adds to execution_count,
+        only successful inferences to inference_count."""
         self.execution_count += 1
-        self.inference_count += succeeded
+        self.inference_count += batch_size if succeeded is None else succeeded
         b = self.batches.get(batch_size)
         if b is None:
             b = self.batches[batch_size] = BatchStats()

@@ -83,6 +83,7 @@ class PythonInstance(ModelInstance):
             try:
                 self._call(self._model.initialize, args)
             except Exception as exc:
+                pb_utils.release_metric_families(self)  # what it made before failing goes with it
                 raise unavailable(f"initialize() of python model '{ctx.spec.name}' failed: "
                                   f"{type(exc).__name__}: {exc}") from None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -396,6 +397,15 @@ _families: dict[str, dict[str, Any]] = {}  # name -> the family's shared state
 _owner = threading.local()  # the model instance whose initialize/execute/finalize is running
 
 
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _escape(value: str) -> str:
+    """A label value in Prometheus text: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
 
@@ -405,12 +415,19 @@ class Metric:
     gauges `increment` and `set`, histograms `observe`; `value()` reads it."""
 
     def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
+        for key, value in labels.items():
+            if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key):
+                raise TritonModelException(f"Invalid label name: '{key}'")
+            if not isinstance(value, str):
+                raise TritonModelException(f"label '{key}': the value must be a string, got {type(value).__name__}")
+        if buckets and any(b >= a for b, a in zip(buckets, buckets[1:])):
+            raise TritonModelException("Bucket Boundaries must be strictly sorted.")
         self._family = family
-        self._labels = {str(k): str(v) for k, v in labels.items()}
+        self._labels = dict(sorted(labels.items()))  # prometheus-cpp (Triton) prints labels by name
         self._value = 0.0
         self._sum = 0.0
         self._count = 0
-        self._buckets = sorted(float(b) for b in buckets) if buckets else []
+        self._buckets = [float(b) for b in buckets] if buckets else []
         self._bucket_counts = [0] * len(self._buckets)
 
     def increment(self, value: float) -> None:
@@ -447,7 +464,7 @@ class Metric:
     def _render(self, name: str) -> str:
         def labels(extra: dict[str, str] | None = None) -> str:
             items = {**self._labels, **(extra or {})}
-            inner = ",".join(f'{k}="{v}"' for k, v in items.items())
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in items.items())
             return "{" + inner + "}" if inner else ""
 
         if self._family._kind != MetricFamily.HISTOGRAM:
@@ -476,6 +493,8 @@ class MetricFamily:
     def __init__(self, name: str, description: str, kind: int) -> None:
         if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
             raise TritonModelException(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM")
+        if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
+            raise TritonModelException(f"Invalid metric name: '{name}'")
         owner = getattr(_owner, "current", None)
         with _metrics_lock:
             state = _families.get(name)
@@ -491,11 +510,10 @@ class MetricFamily:
     def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
         if self._kind == self.HISTOGRAM and not buckets:
             raise TritonModelException("a histogram metric needs buckets")
-        key = tuple(sorted((str(k), str(v)) for k, v in (labels or {}).items()))
+        made = Metric(self, labels or {}, buckets)  # checks the labels and buckets
+        key = tuple(sorted(made._labels.items()))
         with _metrics_lock:
-            metric = self._metrics.get(key)
-            if metric is None:
-                metric = self._metrics[key] = Metric(self, labels or {}, buckets)
+            metric = self._metrics.setdefault(key, made)
         return metric
 
     def _kind_name(self) -> str:
@@ -505,7 +523,8 @@ class MetricFamily:
         kind = ("counter", "gauge", "histogram")[self._kind]
         with _metrics_lock:
             metrics = list(self._metrics.values())
-        return (f"# HELP {self._name} {self._description}\n# TYPE {self._name} {kind}\n"
+        description = self._description.replace("\\", "\\\\").replace("\n", "\\n")
+        return (f"# HELP {self._name} {description}\n# TYPE {self._name} {kind}\n"
                 + "".join(m._render(self._name) for m in metrics))
 
 

@@ -170,10 +170,19 @@ class MetricsRenderer:
         ):
             parts.append(_family(name, "counter", help_text,
                                  [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
-        parts.append(_family("nv_cache_num_entries", "gauge", "Number of responses stored in response cache",
-                             [f"nv_cache_num_entries {len(cache)}\n"]))
-        parts.append(_family("nv_cache_util", "gauge", "Cache utilization [0.0 - 1.0]",
-                             [f"nv_cache_util {cache.used / cache.capacity if cache.capacity else 0.0:g}\n"]))
+        for name, help_text, value in (
+            ("nv_cache_num_entries", "Number of responses stored in response cache", len(cache)),
+            ("nv_cache_num_lookups", "Number of cache lookups in response cache", cache.hits + cache.misses),
+            ("nv_cache_num_hits", "Number of cache hits in response cache", cache.hits),
+            ("nv_cache_num_misses", "Number of cache misses in response cache", cache.misses),
+            ("nv_cache_num_evictions", "Number of cache evictions in response cache", cache.evictions),
+            ("nv_cache_lookup_duration", "Total cache lookup duration (hit and miss), in microseconds",
+             int(cache.lookup_us)),
+            ("nv_cache_insertion_duration", "Total cache insertion duration, in microseconds", int(cache.insertion_us)),
+            ("nv_cache_util", "Cache utilization [0.0 - 1.0]", cache.used / cache.capacity if cache.capacity else 0.0),
+        ):
+            text = str(value) if isinstance(value, int) else f"{value:g}"
+            parts.append(_family(name, "gauge", help_text, [f"{name} {text}\n"]))
         return "".join(parts)
 
     def render(self) -> bytes:

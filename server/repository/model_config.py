@@ -225,6 +225,9 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
+    if config.response_cache.enable and config.model_transaction_policy.decoupled:  # Triton's refusal
+        raise fail(f"Response Cache does not currently support model '{config.name}' with 'decoupled' "
+                   "transaction policy.")
     if config.HasField("sequence_batching"):
         _validate_sequence_batching(config, fail)
     if config.HasField("dynamic_batching"):
@@ -392,8 +395,8 @@ def build_spec(config: mc.ModelConfig, model_dir: Path | None = None) -> ModelSp
         labels={t.name: read_labels(model_dir, t.label_filename, t.name)
                 for t in config.output if t.label_filename and model_dir is not None},
         sequence=sequence_policy(config, model_dir) if config.HasField("sequence_batching") else None,
-        response_cache=(config.response_cache.enable and not config.model_transaction_policy.decoupled
-                        and not config.HasField("sequence_batching")),  # answers that depend on more than inputs
+        # a sequence model's answers depend on more than its inputs: never cached
+        response_cache=config.response_cache.enable and not config.HasField("sequence_batching"),
     )
 
 

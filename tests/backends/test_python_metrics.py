@@ -30,3 +30,19 @@ def test_families_are_shared_by_name_and_released_with_their_last_owner() -> Non
     assert "unit_shared" in pb_utils.render_metric_families(b)  # b holds it now
     pb_utils.release_metric_families(b)
     assert "unit_shared" not in pb_utils._families
+
+
+def test_label_values_are_escaped_and_bad_definitions_refused() -> None:
+    """As Triton 2.51 (prometheus-cpp) writes and refuses them."""
+    owner = object()
+    family = _made_by(owner, "unit_escaped", pb_utils.MetricFamily.GAUGE)
+    family.Metric(labels={"q": 'a"b', "n": "x\ny", "bs": "c\\d"}).set(1)
+    assert 'unit_escaped{bs="c\\\\d",n="x\\ny",q="a\\"b"} 1\n' in pb_utils.render_metric_families(owner)
+    for make, text in ((lambda: _made_by(owner, "bad name", pb_utils.MetricFamily.GAUGE), "Invalid metric name"),
+                       (lambda: family.Metric(labels={"bad-key": "v"}), "Invalid label name"),
+                       (lambda: family.Metric(labels={"k": 3}), "must be a string"),
+                       (lambda: _made_by(owner, "unit_hist", pb_utils.MetricFamily.HISTOGRAM).Metric(buckets=[2, 1]),
+                        "strictly sorted")):
+        with pytest.raises(pb_utils.TritonModelException, match=text):
+            make()
+    pb_utils.release_metric_families(owner)

@@ -46,7 +46,15 @@ def _stats(server, model: str) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("cache")
-    proc = start_pier([_repo(root)], "--cache-config=local,size=1048576", log_path=root / "pier.log")
+    repo = _repo(root)
+    (repo / "decoupled_cached" / "1").mkdir(parents=True)
+    (repo / "decoupled_cached" / "1" / "model.py").write_text("class TritonPythonModel:\n    pass\n")
+    (repo / "decoupled_cached" / "config.pbtxt").write_text(
+        'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        "model_transaction_policy { decoupled: true }\nresponse_cache { enable: true }\n")
+    proc = start_pier([repo], "--cache-config=local,size=1048576", "--exit-on-error=false",
+                      "--strict-readiness=false", log_path=root / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -78,6 +86,10 @@ def test_identical_requests_are_answered_from_the_cache(server) -> None:
     assert 'nv_cache_num_misses_per_model{model="cached",version="1"} 3' in metrics
     assert 'nv_inference_count{model="cached",version="1"} 3' in metrics
     assert "nv_cache_num_entries 3" in metrics
+    assert "nv_cache_num_hits 3" in metrics and "nv_cache_num_lookups 6" in metrics  # cache-wide totals
+    index = {m["name"]: m for m in requests.post(f"{server.base()}/v2/repository/index", timeout=10).json()}
+    assert index["decoupled_cached"]["state"] == "UNAVAILABLE"  # as Triton refuses it
+    assert "Response Cache does not currently support model 'decoupled_cached'" in index["decoupled_cached"]["reason"]
 
 
 def test_least_recently_used_entries_are_evicted(tmp_path: Path) -> None:

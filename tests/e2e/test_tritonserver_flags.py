@@ -140,6 +140,7 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
             assert requests.request(method, base + path, headers={"admin-key": "nope"}, timeout=30).status_code == 403
             assert requests.request(method, base + path, headers={"admin-key": "secret"}, timeout=30).status_code == 200
         assert requests.get(base + "/v2/models/simple", timeout=5).status_code == 200  # metadata: open
+        assert requests.post(base + "/v2/repository/nonexistent", timeout=5).status_code == 404  # no route: 404
         assert requests.get(base + "/v2/models/simple/ready", timeout=5).status_code == 200
         g = grpcclient.InferenceServerClient(server.grpc_url)
         with pytest.raises(InferenceServerException) as refused:
@@ -172,6 +173,7 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
 
 def test_restriction_flags_are_checked() -> None:
     for spec, text in (("bogus:k=v", "unknown restricted category 'bogus'"), ("inference", "CATEGORY"),
+                       ("health, metadata:k=v", "unknown restricted category ' metadata'"), ("health:k=", "CATEGORY"),
                        ("inference,inference:k=v", "restricted more than once")):
         proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
                                f"--http-restricted-api={spec}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
