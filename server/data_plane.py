@@ -241,7 +241,7 @@ class DataPlane:
     async def _infer_cached(self, model: LoadedModel, request: InferenceRequest, batch: int,
                             cache: ResponseCache) -> InferenceResponse:
         start = time.perf_counter_ns()
-        key = ResponseCache.key(model.spec.name, model.version, request)
+        key = ResponseCache.key(model.spec.name, model.load_id, request)
         outputs = cache.get(key)
         lookup_ns = time.perf_counter_ns() - start
         cache.lookup_us += lookup_ns / 1000

@@ -7,7 +7,8 @@ As the reference Triton 2.51 behaves (probed): a hit counts as a successful requ
 queue statistics, and `cache_hit` with the lookup time) but not as an inference or execution; a
 miss counts `cache_miss` with the insertion time; the answer carries the new request's id.
 Unlike Triton 2.51, the requested outputs are part of the key (Triton answered a request for one
-output with every output of an earlier request). Least recently used entries are evicted past the
+output with every output of an earlier request), and so is the model's load: a reloaded model
+never answers from what the previous load computed (Triton 2.51 does). Least recently used entries are evicted past the
 size; an entry larger than the whole cache is not kept. A decoupled model with the cache on is a
 load error (Triton's); sequence models are never cached.
 """
@@ -63,9 +64,10 @@ class ResponseCache:
         self.lookup_us = self.insertion_us = 0.0
 
     @staticmethod
-    def key(model: str, version: int, request: InferenceRequest) -> bytes:
+    def key(model: str, load_id: int, request: InferenceRequest) -> bytes:
+        """`load_id`: one load of the model version, so a reload never answers from the old one."""
         h = hashlib.blake2b(digest_size=20)
-        h.update(f"{model}\0{version}\0".encode())
+        h.update(f"{model}\0{load_id}\0".encode())
         for t in sorted(request.inputs, key=lambda t: t.name):
             h.update(f"{t.name}\0{t.datatype}\0{t.data.shape}\0".encode())
             h.update(to_raw(t.data, t.datatype))

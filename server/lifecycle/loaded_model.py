@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from server.scheduling.sequence_batcher import SequenceBatcher
 from server.statistics import ModelStatistics
 from server.types import ModelSpec
 
+_load_ids = itertools.count(1)
+
 
 class LoadedModel:
     """Owns one scheduler. Built by `load` (blocking: run it off the event loop's hot path)."""
@@ -30,6 +33,7 @@ class LoadedModel:
         self.scheduler = scheduler
         self.stats = stats
         self.load_duration_s = 0.0  # nv_model_load_duration_secs
+        self.load_id = next(_load_ids)  # tells this load apart from a reload of the same version
         self.instances: list[ModelInstance] = []  # backend instances (none for ensembles)
 
     async def stop(self) -> None:

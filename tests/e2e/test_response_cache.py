@@ -116,3 +116,23 @@ def test_no_cache_without_cache_config(tmp_path: Path) -> None:
             f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     finally:
         assert server.stop() == 0
+
+
+def test_a_reloaded_model_never_answers_from_the_old_load(tmp_path: Path) -> None:
+    """Triton 2.51 kept serving the old load's cached answers after a reload; Pier does not."""
+    repo = _repo(tmp_path)
+    server = start_pier([repo], "--cache-config=local,size=1048576", "--model-control-mode=explicit",
+                        "--load-model=cached", log_path=tmp_path / "log")
+    try:
+        h = httpclient.InferenceServerClient(server.http_url)
+        for _ in range(2):
+            _infer(h, "cached", 0)
+        assert _stats(server, "cached")["cache_hit"] == 1
+        config = repo / "cached" / "config.pbtxt"
+        config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))
+        h.load_model("cached")  # the config changed: a new load
+        _infer(h, "cached", 0)
+        stats = _stats(server, "cached")
+        assert stats["cache_hit"] == 0 and stats["cache_miss"] == 1 and stats["execution_count"] == 1
+    finally:
+        assert server.stop() == 0
