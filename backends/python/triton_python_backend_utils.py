@@ -387,6 +387,9 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    if model_version and not (model_version.isdigit() and int(model_version) > 0):
+        raise TritonModelException(f"Failed to check the readiness of model '{model_name}': model_version "
+                                   "should be an integral value > 0")
     return bool(_require_services().model_ready(model_name, model_version))
 
 

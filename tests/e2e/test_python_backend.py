@@ -247,6 +247,8 @@ class TritonPythonModel:
             try:
                 if action == "ready":
                     result = str(pb_utils.is_model_ready(target))
+                elif action == "ready_bad_version":
+                    result = str(pb_utils.is_model_ready(target, "abc"))
                 elif action == "load":
                     pb_utils.load_model(target)
                     result = "loaded"
@@ -290,6 +292,7 @@ def test_models_load_and_unload_models(tmp_path) -> None:
             return client.infer("loader_py", inputs).as_numpy("RESULT")[0].decode()
 
         assert call("ready") == "False"
+        assert "should be an integral value > 0" in call("ready_bad_version")
         assert call("load") == "loaded" and client.is_model_ready("simple") and call("ready") == "True"
         assert call("load_small") == "loaded"  # a config override, as the repository API takes
         assert client.get_model_config("simple")["max_batch_size"] == 2
