@@ -4,7 +4,6 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -240,20 +239,12 @@ class DataPlane:
 
     async def _infer_cached(self, model: LoadedModel, request: InferenceRequest, batch: int,
                             cache: ResponseCache) -> InferenceResponse:
-        start = time.perf_counter_ns()
-        key = ResponseCache.key(model.spec.name, model.load_id, request)
-        outputs = cache.get(key)
-        lookup_ns = time.perf_counter_ns() - start
-        cache.lookup_us += lookup_ns / 1000
+        key, outputs, lookup_ns = cache.lookup(model.spec.name, model.load_id, request)
         if outputs is not None:
-            model.stats.record_cache_hit(lookup_ns, lookup_ns)
+            model.stats.record_cache_hit(lookup_ns)
             return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
         response = await self._infer(model, request, batch)  # an error is raised, so never cached
-        start = time.perf_counter_ns()
-        cache.put(key, response.outputs)
-        insert_ns = time.perf_counter_ns() - start
-        cache.insertion_us += insert_ns / 1000
-        model.stats.cache_miss.add(lookup_ns + insert_ns)
+        model.stats.cache_miss.add(lookup_ns + cache.insert(key, response.outputs))
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:

@@ -16,6 +16,7 @@ load error (Triton's); sequence models are never cached.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -76,16 +77,31 @@ class ResponseCache:
         h.update(repr(outputs).encode())
         return h.digest()
 
-    def get(self, key: bytes) -> list[Tensor] | None:
+    def lookup(self, model: str, load_id: int, request: InferenceRequest) -> tuple[bytes, list[Tensor] | None, int]:
+        """(the request's key, the cached outputs or None, nanoseconds the lookup took)."""
+        start = time.perf_counter_ns()
+        key = self.key(model, load_id, request)
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return [Tensor(t.name, t.datatype, list(t.shape), t.data) for t in entry[0]]
+            outputs = None
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            outputs = [Tensor(t.name, t.datatype, list(t.shape), t.data) for t in entry[0]]
+        elapsed = time.perf_counter_ns() - start
+        self.lookup_us += elapsed / 1000
+        return key, outputs, elapsed
 
-    def put(self, key: bytes, outputs: list[Tensor]) -> None:
+    def insert(self, key: bytes, outputs: list[Tensor]) -> int:
+        """Keep a successful answer; the nanoseconds that took."""
+        start = time.perf_counter_ns()
+        self._put(key, outputs)
+        elapsed = time.perf_counter_ns() - start
+        self.insertion_us += elapsed / 1000
+        return elapsed
+
+    def _put(self, key: bytes, outputs: list[Tensor]) -> None:
         size = sum(_tensor_bytes(t) for t in outputs)
         if size > self.capacity or key in self._entries:
             return

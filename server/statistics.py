@@ -83,12 +83,12 @@ class ModelStatistics:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
 
-    def record_cache_hit(self, total_ns: int, lookup_ns: int) -> None:
-        """A request answered from the response cache: a success (and a queue entry, as Triton
-        counts it) that ran nothing."""
+    def record_cache_hit(self, lookup_ns: int) -> None:
+        """A request answered from the response cache in `lookup_ns`: a success (and a queue
+        entry, as Triton counts it) that ran nothing."""
         self.last_inference_ms = time.time_ns() // 1_000_000
-        self.success.add(total_ns)
-        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, total_ns)] += 1
+        self.success.add(lookup_ns)
+        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, lookup_ns)] += 1
         self.queue.add(0)
         self.cache_hit.add(lookup_ns)
 

@@ -249,6 +249,16 @@ _FLAG_FIELDS = ("int32_false_true", "fp32_false_true", "bool_false_true")
 _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
+def _control_kind(c: Any) -> str:
+    """START, END, READY or CORRID."""
+    return mc.ModelSequenceBatching.Control.Kind.Name(c.kind).removeprefix("CONTROL_SEQUENCE_")
+
+
+def _flag_fields(c: Any) -> list[str]:
+    """The false/true value fields a flag control sets (exactly one when valid)."""
+    return [f for f in _FLAG_FIELDS if len(getattr(c, f))]
+
+
 def _validate_sequence_batching(config: mc.ModelConfig, fail: Callable[[str], PierError]) -> None:
     """Control inputs and implicit state: well-formed, and no name taken twice."""
     sb = config.sequence_batching
@@ -262,13 +272,13 @@ def _validate_sequence_batching(config: mc.ModelConfig, fail: Callable[[str], Pi
         if len(ci.control) != 1:
             raise fail(f"sequence batching control input '{ci.name}' must have exactly one control")
         c = ci.control[0]
-        kind = mc.ModelSequenceBatching.Control.Kind.Name(c.kind).removeprefix("CONTROL_SEQUENCE_")
+        kind = _control_kind(c)
         if kind == "CORRID":
             if c.data_type not in _CORRID_TYPES:
                 raise fail(f"sequence batching control '{ci.name}' (CORRID) must set data_type to TYPE_UINT64, "
                            "TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING")
             continue
-        given = [f for f in _FLAG_FIELDS if len(getattr(c, f))]
+        given = _flag_fields(c)
         if len(given) != 1 or len(getattr(c, given[0])) != 2:
             raise fail(f"sequence batching control '{ci.name}' ({kind}) must give exactly two false/true values in "
                        "one of int32_false_true, fp32_false_true or bool_false_true")
@@ -407,11 +417,11 @@ def sequence_policy(config: mc.ModelConfig, model_dir: Path | None) -> SequenceP
     controls = []
     for ci in sb.control_input:
         c = ci.control[0]
-        kind = mc.ModelSequenceBatching.Control.Kind.Name(c.kind).removeprefix("CONTROL_SEQUENCE_")
+        kind = _control_kind(c)
         if kind == "CORRID":
             controls.append(Control(ci.name, kind, config_to_datatype(mc.DataType.Name(c.data_type))))
             continue
-        field_name = next(f for f in _FLAG_FIELDS if len(getattr(c, f)))
+        field_name = _flag_fields(c)[0]
         datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[field_name]
         values = getattr(c, field_name)
         controls.append(Control(ci.name, kind, datatype, (values[0], values[1])))

@@ -104,9 +104,13 @@ class SequenceBatcher(Scheduler):
         return invalid_arg(f"inference request for sequence {corrid} to model '{self._model}' must specify the "
                            "START flag on the first request of the sequence")
 
+    def _gone(self, seq: _Sequence, now: int) -> bool:
+        """Ended, or idle past the limit, with no request of it in flight."""
+        return not seq.users and (seq.ended or now - seq.last_ns > self._policy.idle_ns)
+
     def _sequence(self, corrid: CorrelationId, start: bool, now: int) -> _Sequence:
         seq = self._sequences.get(corrid)
-        if seq is not None and not seq.users and (seq.ended or now - seq.last_ns > self._policy.idle_ns):
+        if seq is not None and self._gone(seq, now):
             del self._sequences[corrid]
             seq = None
         if seq is None:
@@ -120,8 +124,7 @@ class SequenceBatcher(Scheduler):
         if now - self._swept_ns < self._policy.idle_ns:
             return
         self._swept_ns = now
-        for corrid in [c for c, s in self._sequences.items()
-                       if not s.users and (s.ended or now - s.last_ns > self._policy.idle_ns)]:
+        for corrid in [c for c, s in self._sequences.items() if self._gone(s, now)]:
             del self._sequences[corrid]
 
     async def enqueue(self, item: WorkItem) -> ExecuteResult:
