@@ -15,28 +15,38 @@ from typing import Any
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="list, load, unload, roll out and roll back models on a running server")
-    p.add_argument("--url", default="localhost:8000", help="server HTTP address (host:port or http://host:port)")
-    p.add_argument("--json", action="store_true", help="print the server's JSON answer")
+    url_help, json_help = "server HTTP address (host:port or http://host:port)", "print the server's JSON answer"
+    p.add_argument("--url", default="localhost:8000", help=url_help)
+    p.add_argument("--json", action="store_true", help=json_help)
+    # The same two options after the operation too (`pier model list --json`); SUPPRESS keeps an
+    # operation that does not repeat them from resetting what came before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help=url_help)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=json_help)
     ops = p.add_subparsers(dest="op", required=True)
-    ls = ops.add_parser("list", help="every model version with its state and traffic")
+
+    def op(name: str, help: str) -> argparse.ArgumentParser:
+        return ops.add_parser(name, help=help, parents=[common])
+
+    ls = op("list", "every model version with its state and traffic")
     ls.add_argument("--ready", action="store_true", help="only READY versions")
-    load = ops.add_parser("load", help="load or reload a model (or one version with --version)")
+    load = op("load", "load or reload a model (or one version with --version)")
     load.add_argument("name")
-    load.add_argument("--version", type=int, help="load this version in addition to what the policy serves")
+    load.add_argument("--version", type=int, help="load this version beside the versions serving now")
     load.add_argument("--config", help="ModelConfig JSON (text, or @file) replacing config.pbtxt")
     load.add_argument("--file", action="append", default=[], metavar="VERSION/NAME=PATH",
                       help="send a model file with the request (needs --config), e.g. 1/model.onnx=./m.onnx")
-    unload = ops.add_parser("unload", help="unload a model (or one version with --version)")
+    unload = op("unload", "unload a model (or one version with --version)")
     unload.add_argument("name")
     unload.add_argument("--version", type=int)
     unload.add_argument("--unload-dependents", action="store_true", help="also unload an ensemble's models")
-    rollout = ops.add_parser("rollout", help="send unversioned traffic to a version, or split it")
+    rollout = op("rollout", "send unversioned traffic to a version, or split it")
     rollout.add_argument("name")
     group = rollout.add_mutually_exclusive_group(required=True)
     group.add_argument("--version", type=int, help="all traffic to this version")
     group.add_argument("--weights", help="split, e.g. 2=90,3=10")
     group.add_argument("--newest", action="store_true", help="back to the default: newest READY version")
-    rollback = ops.add_parser("rollback", help="all traffic back to the previous version (or --version)")
+    rollback = op("rollback", "all traffic back to the previous version (or --version)")
     rollback.add_argument("name")
     rollback.add_argument("--version", type=int)
 

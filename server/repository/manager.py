@@ -206,7 +206,9 @@ class RepositoryManager:
                 await self.unload(dep, unload_dependents=True)
 
     async def load_version(self, name: str, version: int) -> None:
-        """Serve `version` in addition to what the version policy selects."""
+        """Serve `version` beside what serves now: the versions serving stay (pinned, as if loaded
+        by this API) even when a newer folder on disk would make the version policy pick
+        another, so a canary never unloads what it is compared with."""
         record = self._record(name)
         async with record.lock:
             src = None if record.override_dir else source.scan(self._repositories).get(name)
@@ -214,6 +216,7 @@ class RepositoryManager:
             if path is None or version not in source.version_dirs(path):
                 raise not_found(f"failed to load '{name}' version {version}: no such version folder")
             override = LoadOverride(record.override.config_json) if record.override else None
+            record.pinned |= {v for v, vr in record.versions.items() if vr.loaded is not None}
             record.pinned.add(version)
             record.excluded.discard(version)
             error = await self._reconcile(record, src, override, force=False, sources=None, chain=(name,))

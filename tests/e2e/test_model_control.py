@@ -54,6 +54,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(root, "addv", ADD_CONFIG.format(name="addv", policy="{ latest { num_versions: 1 } }"),
                 add_constant_model(1.0), version=1)
     write_model(root, "addv", None, add_constant_model(2.0), version=2)
+    write_model(root, "canary", ADD_CONFIG.format(name="canary", policy="{ latest { num_versions: 1 } }"),
+                add_constant_model(1.0), version=1)
     write_model(root, "other", ADD_CONFIG.format(name="other", policy="{ all { } }"), add_constant_model(10.0))
     write_model(root, "race", ADD_CONFIG.format(name="race", policy="{ all { } }"), add_constant_model(5.0))
     broken = root / "broken"
@@ -181,6 +183,29 @@ def test_per_version_load_and_unload(server: PierProcess, http) -> None:
     assert add_infer(http, "addv")[0] == "2"
 
 
+def test_per_version_load_of_a_new_folder_keeps_the_serving_version(server: PierProcess, repo: Path, http) -> None:
+    """The canary pattern: v1 serves, v2 appears on disk, loading v2 by version serves both (the
+    version policy alone would now pick only v2), so traffic can be split and rolled back."""
+    base = f"{server.base()}/v2/repository/models/canary"
+    http.load_model("canary")
+    write_model(repo, "canary", None, add_constant_model(2.0), version=2)
+    assert requests.post(f"{base}/versions/2/load", timeout=60).status_code == 200
+    rows = index(server)
+    assert rows[("canary", "1")][0] == "READY" and rows[("canary", "2")][0] == "READY"
+    assert add_infer(http, "canary", "1")[0] == "1" and add_infer(http, "canary")[0] == "2"
+    r = requests.post(f"{base}/rollout", json={"weights": {"1": 90, "2": 10}}, timeout=10)
+    assert r.status_code == 200 and r.json()["traffic"] == {"1": 90.0, "2": 10.0}
+    assert requests.post(f"{base}/rollback", timeout=10).json()["traffic"] == {"1": 100.0}
+    assert add_infer(http, "canary")[0] == "1"
+    http.load_model("canary")  # a model-level load keeps both
+    assert {add_infer(http, "canary", v)[0] for v in ("1", "2")} == {"1", "2"}
+    assert requests.post(f"{base}/versions/1/unload", timeout=60).status_code == 200
+    assert requests.post(f"{base}/rollout", json={"weights": {}}, timeout=10).json()["traffic"] == {"2": 100.0}
+    wait_for(lambda: index(server).get(("canary", "1")) == ("UNAVAILABLE", "unloaded"), what="v1 unloaded")
+    assert add_infer(http, "canary")[0] == "2"
+    http.unload_model("canary")
+
+
 def test_grpc_repository_rpcs_match_http(server: PierProcess) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.load_model("addv")
@@ -242,6 +267,7 @@ def test_model_cli(server: PierProcess) -> None:
     rows = json.loads(cli("--json", "list", "--ready").stdout)
     assert {"name": "addv", "version": "2", "state": "READY"} in rows
     assert all(r["state"] == "READY" for r in rows)
+    assert json.loads(cli("list", "--ready", "--json").stdout) == rows  # options after the operation too
     assert cli("load", "addv", "--version", "1").returncode == 0
     doc = json.loads(cli("--json", "rollout", "addv", "--weights", "2=90,1=10").stdout)
     assert doc == {"name": "addv", "traffic": {"1": 10.0, "2": 90.0}}
