@@ -19,10 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from server.errors import PierError
+from server.errors import PierError, invalid_arg
 from server.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
 
 BACKEND_API_VERSION = 1
+MAX_THREADS = 1024  # a thread-count parameter past this is a typo, not a machine: refused at load
+
+
+def thread_count(raw: object, key: str) -> int:
+    """A thread-count config parameter (0: the framework's default), bounded so that a typo
+    cannot make a load start threads until memory runs out."""
+    try:
+        n = int(str(raw))
+    except ValueError:
+        raise invalid_arg(f"parameter '{key}' must be an integer, got '{raw}'") from None
+    if not 0 <= n <= MAX_THREADS:
+        raise invalid_arg(f"parameter '{key}' must be between 0 and {MAX_THREADS}, got {n}")
+    return n
 
 
 class ServerServices(Protocol):

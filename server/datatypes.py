@@ -72,6 +72,18 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+MAX_DIMS = 64  # numpy's limit on an array's dimensions
+
+
+def check_dims(shape: Sequence[int], name: str) -> None:
+    """A request tensor's shape, before anything is sized from it: no negative dimension and no
+    more dimensions than an array can have."""
+    if len(shape) > MAX_DIMS:
+        raise invalid_arg(f"input '{name}' has {len(shape)} dimensions; at most {MAX_DIMS} are supported")
+    if shape and min(shape) < 0:
+        raise invalid_arg(f"input '{name}' has a negative dimension in shape {list(shape)}")
+
+
 def to_bytes_element(value: object) -> bytes:
     if isinstance(value, bytes):
         return value
@@ -97,8 +109,13 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.ndarray:
     """Parse exactly `count` length-prefixed elements that must fill `buffer` exactly."""
     view = memoryview(buffer)
-    out = np.empty(count, dtype=np.object_)
     offset, size = 0, len(view)
+    if count * 4 > size:  # each element needs its 4-byte length: refuse before allocating `count`
+        raise invalid_arg(
+            f"unexpected number of string elements for input '{name}': expected {count}, "
+            f"a buffer of {size} bytes holds at most {size // 4}"
+        )
+    out = np.empty(count, dtype=np.object_)
     for i in range(count):
         if offset + 4 > size:
             raise invalid_arg(

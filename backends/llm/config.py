@@ -60,8 +60,8 @@ class EngineConfig:
             raise ValueError("swap_space_bytes must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError("num_threads must be at least 1")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
+            raise ValueError("num_threads must be between 1 and 1024")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **overrides: object) -> EngineConfig:

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
 from server.errors import ErrorCode, PierError, internal, invalid_arg, unavailable
-from server.types import InferenceRequest, ModelSignature, Tensor
+from server.types import InferenceRequest, ModelSignature, ModelSpec, Tensor, TensorSpec
 
 # ONNX tensor type strings -> KServe datatypes.
 _ORT_TYPES = {
@@ -59,10 +59,7 @@ def _session_options(model: ModelContext) -> ort.SessionOptions:
     for key, attr in (("intra_op_thread_count", "intra_op_num_threads"),
                       ("inter_op_thread_count", "inter_op_num_threads")):
         if key in params:
-            try:
-                setattr(opts, attr, int(params[key]))
-            except ValueError:
-                raise invalid_arg(f"parameter '{key}' must be an integer, got '{params[key]}'") from None
+            setattr(opts, attr, thread_count(params[key], key))
     # ORT's thread-pool workers spin between runs by default. Kept: served text_embedding ran
     # 10-25 % faster with it than with either switch below (alternating bench runs, c=1 and c=32),
     # though it holds a core after every run of a tiny model; `session.intra_op.allow_spinning: "0"` or
@@ -96,6 +93,25 @@ def _providers(model: ModelContext, instance: InstanceContext) -> list[object]:
     return providers
 
 
+def _check_shape(model: ModelSpec, spec: TensorSpec, onnx: tuple[int, ...], kind: str) -> None:
+    """A config shape the ONNX model can never take loads as READY and then fails every request:
+    refuse it at load. The batch dim (max_batch_size > 0) and dims either side leaves variable (-1)
+    always match; an ONNX tensor of rank 0 (a scalar, or no shape recorded) and ragged inputs
+    are not checked."""
+    if not onnx or spec.allow_ragged_batch:
+        return
+    batch = [-1] if model.max_batch_size > 0 else []
+    full = batch + list(spec.reshape if spec.reshape is not None else spec.dims)
+    fits = len(full) == len(onnx) and all(
+        c == o or c < 0 or o < 0 for c, o in zip(full[len(batch):], onnx[len(batch):]))
+    if not fits:
+        where = " (a batch dim for max_batch_size > 0, then its dims)" if batch else ""
+        raise invalid_arg(
+            f"unable to load model '{model.name}', configuration expects {kind} '{spec.name}' with shape "
+            f"{full}{where} but the ONNX model's shape is {list(onnx)}"
+        )
+
+
 class OnnxInstance(ModelInstance):
     def __init__(self, model: ModelContext, instance: InstanceContext) -> None:
         path = model.model_path
@@ -127,10 +143,14 @@ class OnnxInstance(ModelInstance):
         self._raw_run = sess.run if sess is not None and cpu_only else None
 
     def _check_spec(self, model: ModelContext) -> None:
-        """The config must describe tensors the model really has, with its datatypes."""
+        """The config must describe tensors the model really has, with its datatypes and shapes."""
+        shapes = {t.name: _shape(t.shape) for t in (*self._session.get_inputs(), *self._session.get_outputs())}
+        ragged = any(i.allow_ragged_batch for i in model.spec.inputs)  # outputs of a flattened batch
         for specs, actual, kind in ((model.spec.inputs, self._in_types, "input"),
                                     (model.spec.outputs, self._out_types, "output")):
             for spec in specs:
+                if spec.name in actual and not (ragged and kind == "output"):
+                    _check_shape(model.spec, spec, shapes[spec.name], kind)
                 if spec.name not in actual:
                     raise invalid_arg(
                         f"unable to load model '{model.spec.name}', configuration expects {kind} "
@@ -201,8 +221,11 @@ def _bf16_bits(value: ort.OrtValue) -> np.ndarray:
 def _to_ort(tensor: Tensor) -> np.ndarray:
     if tensor.datatype == "BYTES":
         # onnxruntime string tensors take Python str.
-        flat = [b.decode("utf-8", "surrogateescape") if isinstance(b, bytes) else str(b)
-                for b in tensor.data.reshape(-1)]
+        try:
+            flat = [b.decode("utf-8") if isinstance(b, bytes) else str(b) for b in tensor.data.reshape(-1)]
+        except UnicodeDecodeError as exc:  # onnxruntime would fail the run with it (a 500)
+            raise invalid_arg(f"input '{tensor.name}' holds an element that is not UTF-8 text, which an "
+                              f"onnxruntime string tensor needs ({exc.reason} at byte {exc.start})") from None
         return np.array(flat, dtype=np.object_).reshape(tensor.data.shape)
     return tensor.data
 

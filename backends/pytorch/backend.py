@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
 from server.errors import PierError, internal, invalid_arg, unavailable
 from server.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
 
@@ -80,13 +80,7 @@ def _thread_count(spec: ModelSpec) -> int | None:
     raw = _param(spec, "INTRA_OP_THREAD_COUNT")
     if raw is None:
         return None
-    try:
-        count = int(raw)
-    except ValueError:
-        raise invalid_arg(f"parameter 'INTRA_OP_THREAD_COUNT' must be an integer, got '{raw}'") from None
-    if count < 0:
-        raise invalid_arg(f"parameter 'INTRA_OP_THREAD_COUNT' must be >= 0, got {count}")
-    return count or None  # 0: torch's default, as in Triton
+    return thread_count(raw, "INTRA_OP_THREAD_COUNT") or None  # 0: torch's default, as in Triton
 
 
 def _check_datatypes(spec: ModelSpec) -> None:

@@ -196,7 +196,7 @@ class RepositoryManager:
                 self._retire(record, v)
             record.pinned.clear()
             record.excluded.clear()
-            record.disk_fingerprint = ""
+            record.disk_fingerprint = record.error = ""  # a failed load, unloaded, no longer counts
             self._drop_override(record)
             dependents, record.dependents = record.dependents, set()
             self._refresh_routes(record)
@@ -276,8 +276,8 @@ class RepositoryManager:
             raise not_found(f"model '{name}' has no READY version to route traffic to")
         ready = record.ready()
         for v, w in weights.items():
-            if w < 0:
-                raise invalid_arg(f"traffic weight for version {v} of '{name}' is negative")
+            if not w >= 0 or w == float("inf"):  # NaN fails `>= 0`
+                raise invalid_arg(f"traffic weight for version {v} of '{name}' must be a finite number >= 0, got {w}")
             if v not in ready:
                 raise invalid_arg(f"version {v} of model '{name}' is not READY: it cannot take traffic")
         if weights and sum(weights.values()) <= 0:
@@ -305,8 +305,10 @@ class RepositoryManager:
     def traffic(self, name: str) -> dict[int, float]:
         """Percent of unversioned traffic per version, as routed now."""
         record = self._models.get(name)
-        if record is None or not record.route_models:
-            if record is not None and record.newest is not None:
+        if record is None:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if not record.route_models:
+            if record.newest is not None:
                 return {record.newest.version: 100.0}
             return {}
         total = record.route_cumulative[-1]

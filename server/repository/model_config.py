@@ -30,6 +30,8 @@ from server.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, Mod
 ModelConfig = mc.ModelConfig
 Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]
 
+MAX_INSTANCES = 256  # per model version, all instance groups together
+
 
 def parse_config_text(text: str, source: str) -> mc.ModelConfig:
     """Parse config.pbtxt text; errors read '<source>:<line>:<col>: <problem>'."""
@@ -225,6 +227,9 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
     for group in config.instance_group:
         if group.count < 0:
             raise fail(f"instance_group '{group.name}' count must be >= 1")
+    instances = sum(g.count * max(1, len(g.gpus)) for g in config.instance_group)
+    if instances > MAX_INSTANCES:  # each instance is a thread and a copy of the model
+        raise fail(f"instance_group asks for {instances} instances; at most {MAX_INSTANCES} per model are allowed")
     if config.response_cache.enable and config.model_transaction_policy.decoupled:  # Triton's refusal
         raise fail(f"Response Cache does not currently support model '{config.name}' with 'decoupled' "
                    "transaction policy.")

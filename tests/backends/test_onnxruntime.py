@@ -14,12 +14,12 @@ from server.types import InstanceGroupSpec, ModelSpec, TensorSpec
 from tests.conftest import EXAMPLE_REPO
 
 
-def _model(tmp_path: Path, params: dict[str, str]) -> ModelContext:
+def _model(tmp_path: Path, params: dict[str, str], dims: tuple[int, ...] = (-1,)) -> ModelContext:
     version_dir = tmp_path / "identity" / "1"
     version_dir.mkdir(parents=True)
     shutil.copy(EXAMPLE_REPO / "identity_fp32" / "1" / "model.onnx", version_dir / "model.onnx")
     spec = ModelSpec(name="identity", platform="onnxruntime_onnx", backend="onnxruntime", max_batch_size=64,
-                     inputs=(TensorSpec("INPUT0", "FP32", (-1,)),), outputs=(TensorSpec("OUTPUT0", "FP32", (-1,)),),
+                     inputs=(TensorSpec("INPUT0", "FP32", dims),), outputs=(TensorSpec("OUTPUT0", "FP32", (-1,)),),
                      instance_groups=(InstanceGroupSpec("identity_0", "KIND_CPU", 1),),
                      default_model_filename="model.onnx", parameters=params)
     return ModelContext(spec=spec, version=1, model_dir=version_dir.parent, version_dir=version_dir)
@@ -50,3 +50,41 @@ def test_session_parameters_pass_through(tmp_path):
 def test_bad_thread_count_fails_at_load(tmp_path):
     with pytest.raises(PierError, match="intra_op_thread_count.*must be an integer"):
         _options(tmp_path, {"intra_op_thread_count": "many"})
+
+
+def test_absurd_thread_count_fails_at_load(tmp_path):
+    """100000 intra-op threads made onnxruntime start threads until memory ran out."""
+    with pytest.raises(PierError, match="intra_op_thread_count' must be between 0 and 1024, got 100000"):
+        _options(tmp_path, {"intra_op_thread_count": "100000"})
+
+
+def test_config_shape_the_onnx_model_cannot_take_fails_at_load(tmp_path):
+    """identity_fp32's ONNX input is [batch, n]: a config with two dims (three with the batch
+    dim) would load READY and fail every request."""
+    ctx = _model(tmp_path, {}, dims=(-1, 4))
+    with pytest.raises(PierError, match=r"expects input 'INPUT0' with shape \[-1, -1, 4\].*ONNX model's shape is"):
+        BACKEND.create_instance(ctx, InstanceContext("identity_0", "KIND_CPU"))
+
+
+@pytest.mark.parametrize("in_dims,out_dims,fragment", [
+    ((5,), (3,), "input 'INPUT__0' with shape [-1, 5] (a batch dim for max_batch_size > 0, then its dims) "
+                 "but the ONNX model's shape is [-1, 4]"),
+    ((4,), (7,), "output 'OUTPUT__0' with shape [-1, 7]"),
+])
+def test_config_dims_that_differ_from_the_onnx_model_fail_at_load(tmp_path, in_dims, out_dims, fragment):
+    version_dir = tmp_path / "mlp" / "1"
+    version_dir.mkdir(parents=True)
+    shutil.copy(EXAMPLE_REPO / "mlp_onnx" / "1" / "model.onnx", version_dir / "model.onnx")
+
+    def context(ins: tuple[int, ...], outs: tuple[int, ...]) -> ModelContext:
+        spec = ModelSpec(name="mlp", platform="onnxruntime_onnx", backend="onnxruntime", max_batch_size=8,
+                         inputs=(TensorSpec("INPUT__0", "FP32", ins),),
+                         outputs=(TensorSpec("OUTPUT__0", "FP32", outs),),
+                         instance_groups=(InstanceGroupSpec("mlp_0", "KIND_CPU", 1),),
+                         default_model_filename="model.onnx", parameters={})
+        return ModelContext(spec=spec, version=1, model_dir=version_dir.parent, version_dir=version_dir)
+
+    with pytest.raises(PierError) as err:
+        BACKEND.create_instance(context(in_dims, out_dims), InstanceContext("mlp_0", "KIND_CPU"))
+    assert fragment in err.value.message
+    BACKEND.create_instance(context((4,), (-1,)), InstanceContext("mlp_0", "KIND_CPU")).close()  # -1 fits any

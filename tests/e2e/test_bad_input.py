@@ -44,6 +44,13 @@ BINARY_HEADER = json.dumps({"inputs": [
     {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}},
 ]}).encode()
 
+# 2^40 elements declared, 4 bytes sent: refused before anything is sized from the shape
+BYTES_HEADER = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 2**40], "datatype": "BYTES", "parameters": {"binary_data_size": 4}}]}).encode()
+
+NOT_UTF8_HEADER = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 6}}]}).encode()
+
 # (case, method, path, body, headers, status, message fragment)
 HTTP_CASES = [
     ("malformed JSON", "POST", "/v2/models/simple/infer", b"garbage{", {}, 400, "failed to parse the request JSON"),
@@ -80,6 +87,16 @@ HTTP_CASES = [
      _body(_inp("INPUT0", shape=(-1, 16), data=[]), _inp("INPUT1")), {}, 400, "negative dimension"),
     ("absurd shape", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(1, 10**15), data=[1]), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+    ("more than 64 dims", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", shape=(1,) * 65, data=[1]), _inp("INPUT1")), {}, 400, "at most 64 are supported"),
+    ("unpaired surrogate", "POST", "/v2/models/simple/infer",
+     b'{"inputs":[{"name":"\\ud800","shape":[1,16],"datatype":"INT32","data":[0]}]}', {}, 400,
+     "failed to parse the request JSON"),
+    ("BYTES shape past its buffer", "POST", "/v2/models/roundtrip_bytes/infer", BYTES_HEADER + b"\0" * 4,
+     {"Inference-Header-Content-Length": str(len(BYTES_HEADER))}, 400, "holds at most 1"),
+    ("BYTES not UTF-8 for an ONNX string tensor", "POST", "/v2/models/roundtrip_bytes/infer",
+     NOT_UTF8_HEADER + b"\x02\0\0\0\xff\xfe", {"Inference-Header-Content-Length": str(len(NOT_UTF8_HEADER))}, 400,
+     "holds an element that is not UTF-8 text"),
     ("FP16 as JSON", "POST", "/v2/models/roundtrip_fp16/infer",
      _body(_inp("INPUT0", shape=(1, 2), datatype="FP16", data=[1.0, 2.0])), {}, 400, "binary data format"),
     ("missing input", "POST", "/v2/models/simple/infer", _body(_inp("INPUT0")), {}, 400,
@@ -187,6 +204,8 @@ GRPC_CASES = [
     ("absurd shape", _req(inputs=(("INPUT0", "INT32", (1, 10**15)), ("INPUT1", "INT32", (1, 16))),
                           raw=[b"\0" * 64, b"\0" * 64]),
      grpc.StatusCode.INVALID_ARGUMENT, "input byte size mismatch"),
+    ("more than 64 dims", _req(inputs=(("INPUT0", "INT32", (1,) * 65), ("INPUT1", "INT32", (1, 16)))),
+     grpc.StatusCode.INVALID_ARGUMENT, "at most 64 are supported"),
     ("missing input", _req(inputs=(("INPUT0", "INT32", (1, 16)),)), grpc.StatusCode.INVALID_ARGUMENT,
      "missing required input(s) ['INPUT1']"),
     ("unknown input", _req(inputs=(("INPUT0", "INT32", (1, 16)), ("INPUT1", "INT32", (1, 16)),

@@ -219,3 +219,30 @@ def test_grpc_stream_answers_in_request_order(pier):
             assert "unknown model" in item
         else:
             assert item == f"r{i}"
+
+
+def test_grpc_stream_with_an_unreadable_message_fails_after_answering_what_came_before(pier):
+    """A frame that is not a ModelInferRequest ends the stream with INVALID_ARGUMENT (not a silent
+    OK that drops the requests after it); the request read before it still gets its answer."""
+    import grpc
+
+    from server.protocol import grpc_service_pb2 as pb
+
+    def request(rid: str) -> bytes:
+        req = pb.ModelInferRequest(model_name="simple", id=rid)
+        for name in ("INPUT0", "INPUT1"):
+            req.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+            req.raw_input_contents.append(np.arange(16, dtype=np.int32).tobytes())
+        return req.SerializeToString()
+
+    with grpc.insecure_channel(pier.grpc_url) as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                     request_serializer=lambda b: b,
+                                     response_deserializer=pb.ModelStreamInferResponse.FromString)
+        answers = []
+        with pytest.raises(grpc.RpcError) as err:
+            for message in call(iter([request("first"), b"\xff\xff\xff", request("third")]), timeout=30):
+                answers.append(message)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unable to read a request" in err.value.details()
+    assert [a.infer_response.id for a in answers] == ["first"] and not answers[0].error_message

@@ -141,6 +141,29 @@ def test_broken_model_fails_with_reason_and_others_keep_serving(server: PierProc
     assert add_infer(http, "other")[0] == "1"
 
 
+
+def test_strict_readiness_counts_a_failed_load_until_it_is_unloaded(repo: Path, tmp_path: Path) -> None:
+    """As Triton's strict readiness: a model asked for that failed makes the server not ready;
+    unloading it (the operator gave up on it) makes the server ready again."""
+    server = start_pier([repo], "--model-control-mode=explicit", "--load-model=other", log_path=tmp_path / "r.log")
+    try:
+        client = httpclient.InferenceServerClient(server.http_url)
+        assert client.is_server_ready()
+        with pytest.raises(InferenceServerException, match="broken"):
+            client.load_model("broken")  # a version fails
+        assert not client.is_server_ready()
+        client.unload_model("broken")
+        assert index(server)[("broken", "1")] == ("UNAVAILABLE", "unloaded")
+        assert client.is_server_ready()
+        with pytest.raises(InferenceServerException, match="addv"):
+            client.load_model("addv", config=json.dumps({"max_batch_size": "many"}))  # the model's config fails
+        assert not client.is_server_ready()
+        client.unload_model("addv")
+        assert client.is_server_ready()
+    finally:
+        assert server.stop() == 0
+
+
 def test_failed_reload_leaves_the_served_version_untouched(server: PierProcess, http, repo: Path) -> None:
     http.load_model("other")
     bad = {"backend": "onnxruntime", "max_batch_size": 8,

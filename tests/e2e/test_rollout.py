@@ -5,6 +5,7 @@ failed requests and every answer computed by the version it names."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -196,14 +197,16 @@ def test_rollout_split_rollback_unload_under_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("body, message", [
     ({"weights": {"7": 100}}, "not READY"),
-    ({"weights": {"1": -1}}, "negative"),
+    ({"weights": {"1": -1}}, "must be a finite number >= 0, got -1.0"),
+    ("NaN", "must be a finite number >= 0, got nan"),
     ({"weights": {"1": 0}}, "must not all be zero"),
     ({"weights": {"x": 1}}, "invalid model version"),
     ({}, "needs 'version' or 'weights'"),
     ({"weights": [1]}, "must be a JSON object"),
 ])
-def test_rollout_refuses_bad_weights(pier: PierProcess, body: dict, message: str) -> None:
-    r = requests.post(f"{pier.base()}/v2/repository/models/simple/rollout", json=body, timeout=10)
+def test_rollout_refuses_bad_weights(pier: PierProcess, body: dict | str, message: str) -> None:
+    data = f'{{"weights": {{"1": {body}}}}}' if isinstance(body, str) else json.dumps(body)  # NaN: not JSON proper
+    r = requests.post(f"{pier.base()}/v2/repository/models/simple/rollout", data=data, timeout=10)
     assert r.status_code == 400 and message in r.json()["error"]
     assert requests.get(f"{pier.base()}/v2/repository/models/simple/traffic").json() == {
         "name": "simple", "traffic": {"1": 100.0}}
@@ -211,4 +214,6 @@ def test_rollout_refuses_bad_weights(pier: PierProcess, body: dict, message: str
 
 def test_rollback_of_an_unknown_model_is_404(pier: PierProcess) -> None:
     r = requests.post(f"{pier.base()}/v2/repository/models/nope/rollback", timeout=10)
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+    r = requests.get(f"{pier.base()}/v2/repository/models/nope/traffic", timeout=10)
     assert r.status_code == 404 and "nope" in r.json()["error"]

@@ -74,6 +74,8 @@ def test_completion_fills_what_triton_fills():
      "default_priority_level 0 must be in 1..3"),
     (GOOD.replace("dims: [ -1, 4 ] } ]\noutput", "dims: [ 4 ] reshape: { shape: [ 3 ] } } ]\noutput"),
      "changes the element count"),
+    (GOOD.replace("count: 2 kind: KIND_CPU", "count: 1000000000 kind: KIND_CPU"),
+     "asks for 1000000001 instances; at most 256 per model"),
 ])
 def test_invalid_configs_are_rejected_naming_the_file(text, fragment):
     with pytest.raises(PierError) as err:

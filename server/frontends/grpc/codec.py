@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from server.datatypes import element_count, from_raw, is_datatype, numpy_dtype, to_raw
+from server.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
 from server.errors import invalid_arg
 from server.protocol import grpc_service_pb2 as pb
 from server.shared_memory import (
@@ -94,8 +94,7 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
         if not is_datatype(datatype):
             raise invalid_arg(f"invalid datatype for input {name}")
         shape = t.shape[:]
-        if shape and min(shape) < 0:
-            raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
+        check_dims(shape, name)
         params: dict[str, Any] = {}
         if t.parameters:  # rare: skip building and checking an empty dict
             params = params_dict(t.parameters)

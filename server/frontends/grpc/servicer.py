@@ -168,6 +168,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return err
 
         async def run(req: pb.ModelInferRequest, after: asyncio.Future, mine: asyncio.Future) -> None:
+            decoupled = False
             try:
                 try:
                     received = time.perf_counter_ns() if self.plane.tracer.on else 0
@@ -209,12 +210,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 out.put_nowait(error(req, exc))
             except Exception as exc:  # never lose the stream over one request
                 log.exception("stream request failed")
+                if not decoupled:  # its answer still goes back in request order
+                    await after
                 out.put_nowait(error(req, PierError(ErrorCode.INTERNAL, f"internal error: {exc}")))
             finally:
                 if not after.done():
                     await after
                 if not mine.done():
                     mine.set_result(None)
+
+        unreadable: list[str] = []
 
         async def read() -> None:
             previous: asyncio.Future = loop.create_future()
@@ -226,15 +231,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     previous = mine
-                while tasks:
-                    await asyncio.gather(*list(tasks), return_exceptions=True)
+            except Exception as exc:  # a message that is not a ModelInferRequest ends the stream
+                unreadable.append(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             finally:
+                while tasks:  # what was read before still gets its answers
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
                 out.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
             while (message := await out.get()) is not None:
                 yield message
+            if unreadable:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"unable to read a request of the stream: {unreadable[0]}")
         finally:
             reader.cancel()
             for t in list(tasks):

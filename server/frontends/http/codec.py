@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from server.datatypes import JSON_UNSUPPORTED, element_size, from_raw, is_datatype, to_raw
+from server.datatypes import JSON_UNSUPPORTED, check_dims, element_size, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg
 from server.frontends.json_data import array_from_json, array_to_json
 from server.shared_memory import (
@@ -42,9 +42,13 @@ def parse_json(body: bytes | memoryview, what: str = "request JSON") -> Any:
     except orjson.JSONDecodeError as exc:
         error = exc
     try:
-        return json.loads(bytes(body))
-    except (ValueError, RecursionError):
+        doc = json.loads(bytes(body))
+        # orjson refuses a \ud800-style escape of an unpaired surrogate (no character of UTF-8 can
+        # hold it); the stdlib keeps it in a str that every later encode would fail on.
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         raise invalid_arg(f"failed to parse the {what}: {error}") from None
+    return doc
 
 
 def decode_base64(value: Any, what: str) -> bytes:
@@ -201,8 +205,7 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
     for d in shape:  # parsed JSON: exact types, so `type(d) is int` excludes bools and floats
         if type(d) is not int:
             raise invalid_arg(f"input '{name}' must have a 'shape' array of integers")
-    if shape and min(shape) < 0:
-        raise invalid_arg(f"input '{name}' has a negative dimension in shape {shape}")
+    check_dims(shape, name)
     params = _dict(item.get("parameters"), f"parameters of input '{name}'")
     size = params.get("binary_data_size")
     has_data = "data" in item

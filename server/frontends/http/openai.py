@@ -49,6 +49,22 @@ def _bytes_tensor(name: str, text: str) -> Tensor:
     return Tensor(name, "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))
 
 
+# Boolean request fields read here (`logprobs` is one in chat; completions' integer logprobs is
+# checked with the other sampling fields).
+_FLAGS = ("stream", "echo", "add_generation_prompt", "continue_final_message")
+_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
+
+
+def _lax_bool(value: Any, key: str) -> bool:
+    """A boolean field as vLLM's pydantic models read one (lax mode): 0/1 and yes/no-style strings
+    count, anything else is a 400."""
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise _BadRequest(f"{key} must be a boolean, got {value!r}.", key)
+
+
 def _bool_tensor(name: str, value: bool) -> Tensor:
     return Tensor(name, "BOOL", [1], np.array([value]))
 
@@ -86,6 +102,9 @@ class OpenAIHandlers:
             raise _BadRequest(exc.message, None, 413 if exc.code is ErrorCode.TOO_LARGE else 400) from None
         if not isinstance(doc, dict):
             raise _BadRequest("the request body must be a JSON object")
+        for key in _FLAGS:
+            if doc.get(key) is not None and not isinstance(doc[key], bool):
+                doc[key] = _lax_bool(doc[key], key)
         return doc
 
     @staticmethod
@@ -113,12 +132,16 @@ class OpenAIHandlers:
             if not isinstance(doc["stream_options"], dict):
                 raise _BadRequest("stream_options must be an object.", "stream_options")
         n = doc.get("n", 1)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise _BadRequest(f"n must be an integer, got {n!r}.", "n")
+        if n < 1:
             raise _BadRequest(f"n must be at least 1, got {n}.", "n")
         if n > 1 and doc.get("temperature", 1.0) == 0:
             raise _BadRequest("n must be 1 when using greedy sampling.", "n")
         logprobs: int | None = None
         if chat:
+            if doc.get("logprobs") is not None and not isinstance(doc["logprobs"], bool):
+                doc["logprobs"] = _lax_bool(doc["logprobs"], "logprobs")
             top = doc.get("top_logprobs")
             if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
                 raise _BadRequest(f"top_logprobs must be a non-negative integer, got {top!r}.", "top_logprobs")
@@ -182,10 +205,16 @@ class OpenAIHandlers:
             return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
         if isinstance(prompt, str) or ids(prompt):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
-            return prompt
-        raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+            prompts = prompt
+        else:
+            raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
+        for p in prompts:
+            if isinstance(p, list) and not all(0 <= t < 2**63 for t in p):
+                bad = next(t for t in p if not 0 <= t < 2**63)
+                raise _BadRequest(f"token id {bad} in prompt is out of range.", "prompt")
+        return prompts
 
     async def _run(self, request: web.Request, chat: bool) -> web.StreamResponse:
         gens: list[AsyncGenerator[dict[str, Any], None]] = []
