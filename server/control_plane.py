@@ -11,6 +11,7 @@ from typing import Any
 
 from server.errors import invalid_arg, unavailable
 from server.repository.manager import LoadOverride, RepositoryManager
+from server.repository.source import is_version
 
 FILE_PREFIX = "file:"
 
@@ -125,6 +126,6 @@ def _check_name(name: str) -> str:
 
 def _version(value: Any) -> int:
     text = str(value)
-    if not text.isdigit() or int(text) <= 0:
+    if not is_version(text) or int(text) <= 0:
         raise invalid_arg(f"invalid model version '{text}': versions are positive integers")
     return int(text)

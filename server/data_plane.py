@@ -13,6 +13,7 @@ from server.errors import PierError, invalid_arg, unavailable, unsupported
 from server.lifecycle.loaded_model import LoadedModel
 from server.protocol import model_config_pb2 as mc
 from server.repository.manager import RepositoryManager
+from server.repository.source import is_version
 from server.response_cache import ResponseCache
 from server.scheduling.base import WorkItem
 from server.shared_memory import SystemSharedMemory
@@ -128,7 +129,7 @@ class DataPlane:
             if not models:
                 raise invalid_arg(f"requested model '{name}' is not available")
             if version:
-                models = [m for m in models if version.isdigit() and m.version == int(version)]
+                models = [m for m in models if is_version(version) and m.version == int(version)]
                 if not models:
                     raise invalid_arg(f"requested model version is not available for model '{name}'")
         models.sort(key=lambda m: (m.spec.name, m.version))

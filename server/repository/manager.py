@@ -334,7 +334,7 @@ class RepositoryManager:
         if record is None or (not record.versions and not record.error):
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version:
-            if not version.isdigit():
+            if not source.is_version(version):
                 raise invalid_arg(f"invalid model version '{version}': versions are integers")
             vr = record.versions.get(int(version))
             if vr is None:
@@ -540,7 +540,7 @@ class RepositoryManager:
             for rel, content in override.files.items():
                 target = (root / rel).resolve()
                 parts = Path(rel).parts
-                if (Path(rel).is_absolute() or ".." in parts or len(parts) < 2 or not parts[0].isdigit()
+                if (Path(rel).is_absolute() or ".." in parts or len(parts) < 2 or not source.is_version(parts[0])
                         or not target.is_relative_to(root)):
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise invalid_arg(f"invalid file parameter 'file:{rel}': expected 'file:<version>/<path>' "

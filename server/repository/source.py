@@ -39,10 +39,15 @@ def scan(repositories: list[Path]) -> dict[str, ModelSource]:
 
 
 def version_dirs(model_path: Path) -> dict[int, Path]:
-    """Numeric version folders. Names that are not integers, or that start with '0', are
-    ignored as Triton ignores them."""
+    """Numeric version folders. Names that are not integers (ASCII digits only), that start with
+    '0', or that are past int64 (a version number is one) are ignored."""
     out: dict[int, Path] = {}
     for entry in model_path.iterdir():
-        if entry.is_dir() and entry.name.isdigit() and not entry.name.startswith("0"):
+        if entry.is_dir() and is_version(entry.name) and not entry.name.startswith("0") and int(entry.name) < 2**63:
             out[int(entry.name)] = entry
     return out
+
+
+def is_version(text: str) -> bool:
+    """A version as requests and folders name one: ASCII digits ("١" is a digit to str.isdigit)."""
+    return text.isascii() and text.isdigit()

@@ -126,6 +126,7 @@ HTTP_CASES = [
     ("reserved parameter", "POST", "/v2/models/simple/infer",
      json.dumps({"inputs": [_inp("INPUT0"), _inp("INPUT1")], "parameters": {"triton_x": 1}}).encode(), {}, 400,
      "reserved"),
+    ("non-ASCII digit version", "POST", "/v2/models/simple/versions/\u0661/infer", GOOD, {}, 404, "Not Found"),
     ("unknown model", "POST", "/v2/models/nope/infer", GOOD, {}, 404, "Request for unknown model: 'nope' is not found"),
     ("unknown version", "POST", "/v2/models/simple/versions/7/infer", GOOD, {}, 404,
      "Request for unknown model: 'simple' version 7 is not found"),
@@ -221,6 +222,7 @@ GRPC_CASES = [
      "invalid value for 'priority' parameter, expected value >= 0."),
     ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
     ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
+    ("non-ASCII digit version", _req(version="\u0661"), grpc.StatusCode.INVALID_ARGUMENT, "invalid model version"),
     ("unknown version", _req(version="7"), grpc.StatusCode.NOT_FOUND, "version 7 is not found"),
     ("oversized message", _req(raw=[b"\0" * (LIMIT + 10), b"\0" * 64]), grpc.StatusCode.RESOURCE_EXHAUSTED,
      "larger than max"),
@@ -271,3 +273,16 @@ def test_malformed_http_is_a_400_and_one_quiet_line(small_pier):
     _assert_simple_still_works(small_pier)
     log = small_pier.log()
     assert "Traceback" not in log and "Error handling request" not in log, log[-2000:]
+
+
+def test_grpc_message_that_does_not_parse_is_invalid_argument(small_pier):
+    """grpc itself answers UNKNOWN to a body its parser rejects, and logs a traceback each time."""
+    with grpc.insecure_channel(small_pier.grpc_url) as channel:
+        for method in ("ModelInfer", "ModelMetadata", "RepositoryIndex"):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}",
+                                       request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"\xff\xff\xff", timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "unable to parse the request" in err.value.details()
+    assert "DecodeError" not in small_pier.log()

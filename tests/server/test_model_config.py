@@ -150,3 +150,11 @@ def test_example_configs_parse():
     root = Path(__file__).resolve().parents[2] / "model_repository"
     for path in root.glob("*/config.pbtxt"):
         assert model_config.parse_config_file(path).name == path.parent.name
+
+
+def test_version_folders_are_ascii_integers_within_int64(tmp_path):
+    from server.repository.source import version_dirs
+
+    for name in ("1", "7", "01", "99999999999999999999999", "\u0661", "x"):
+        (tmp_path / name).mkdir()
+    assert sorted(version_dirs(tmp_path)) == [1, 7]

@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf import json_format, message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 
 from server import log_settings, restrictions, shared_memory
 from server.control_plane import ControlPlane
@@ -28,11 +30,50 @@ from server.types import InferenceRequest
 log = logging.getLogger("pier.grpc")
 
 
+class _Unreadable:
+    """A request message that does not parse. The handler answers it INVALID_ARGUMENT; a parser
+    that raised would make grpc answer UNKNOWN and log a traceback for every such message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return _Unreadable(str(exc))
+    return deserialize
+
+
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _add_service(server: grpc.aio.Server, servicer: Any, service: ServiceDescriptor) -> None:
+    """What the generated add_*_to_server does, with requests parsed by `_lenient`."""
+    handlers = {}
+    for m in service.methods:
+        kind = _HANDLER_KINDS[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = kind(getattr(servicer, m.name),
+                                request_deserializer=_lenient(message_factory.GetMessageClass(m.input_type).FromString),
+                                response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0
             log.debug("gRPC request: %s", method.__name__)
+        if type(request) is _Unreadable:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unable to parse the request: {request.error}")
         try:
             return await method(self, request, context)
         except PierError as exc:
@@ -226,6 +267,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             previous.set_result(None)
             try:
                 async for req in request_iterator:
+                    if type(req) is _Unreadable:
+                        unreadable.append(req.error)
+                        break
                     mine: asyncio.Future = loop.create_future()
                     task = asyncio.ensure_future(run(req, previous, mine))
                     tasks.add(task)
@@ -330,8 +374,8 @@ async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: st
         ("grpc.so_reuseport", int(reuse_port)),
         *options,
     ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(plane, control), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(plane), server)
+    _add_service(server, InferenceServicer(plane, control), pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
+    _add_service(server, HealthServicer(plane), health_pb2.DESCRIPTOR.services_by_name["Health"])
     if ssl is not None:
         credentials = grpc.ssl_server_credentials(
             [(ssl.server_key.read_bytes(), ssl.server_cert.read_bytes())],
