@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -14,19 +15,19 @@ from server.types import InstanceGroupSpec, ModelSpec, TensorSpec
 from tests.conftest import EXAMPLE_REPO
 
 
-def _model(tmp_path: Path, params: dict[str, str], dims: tuple[int, ...] = (-1,)) -> ModelContext:
+def _model(tmp_path: Path, params: dict[str, str], dims: tuple[int, ...] = (-1,), count: int = 1) -> ModelContext:
     version_dir = tmp_path / "identity" / "1"
     version_dir.mkdir(parents=True)
     shutil.copy(EXAMPLE_REPO / "identity_fp32" / "1" / "model.onnx", version_dir / "model.onnx")
     spec = ModelSpec(name="identity", platform="onnxruntime_onnx", backend="onnxruntime", max_batch_size=64,
                      inputs=(TensorSpec("INPUT0", "FP32", dims),), outputs=(TensorSpec("OUTPUT0", "FP32", (-1,)),),
-                     instance_groups=(InstanceGroupSpec("identity_0", "KIND_CPU", 1),),
+                     instance_groups=(InstanceGroupSpec("identity_0", "KIND_CPU", count),),
                      default_model_filename="model.onnx", parameters=params)
     return ModelContext(spec=spec, version=1, model_dir=version_dir.parent, version_dir=version_dir)
 
 
-def _options(tmp_path: Path, params: dict[str, str]):
-    instance = BACKEND.create_instance(_model(tmp_path, params), InstanceContext("identity_0", "KIND_CPU"))
+def _options(tmp_path: Path, params: dict[str, str], count: int = 1):
+    instance = BACKEND.create_instance(_model(tmp_path, params, count=count), InstanceContext("identity_0", "KIND_CPU"))
     try:
         return instance._session.get_session_options()
     finally:
@@ -88,3 +89,13 @@ def test_config_dims_that_differ_from_the_onnx_model_fail_at_load(tmp_path, in_d
         BACKEND.create_instance(context(in_dims, out_dims), InstanceContext("mlp_0", "KIND_CPU"))
     assert fragment in err.value.message
     BACKEND.create_instance(context((4,), (-1,)), InstanceContext("mlp_0", "KIND_CPU")).close()  # -1 fits any
+
+
+def test_cpu_instances_share_the_cores(tmp_path):
+    """onnxruntime's default is a thread per core per session: N instances would run N x cores
+    threads. Several CPU instances get cores // N each, unless the config sets the count."""
+    cores = len(os.sched_getaffinity(0))
+    assert _options(tmp_path / "a", {}).intra_op_num_threads == 0  # one instance: onnxruntime's default
+    assert _options(tmp_path / "b", {}, count=2).intra_op_num_threads == max(1, cores // 2)
+    assert _options(tmp_path / "c", {}, count=4 * cores).intra_op_num_threads == 1
+    assert _options(tmp_path / "d", {"intra_op_thread_count": "3"}, count=2).intra_op_num_threads == 3
