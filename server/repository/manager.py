@@ -443,8 +443,11 @@ class RepositoryManager:
                                                 list(dirs.values()))
             if not dirs:
                 raise invalid_arg(f"model '{record.name}' has no version folders (numeric names) in {path}")
-            wanted = set(select_versions(config.version_policy, list(dirs)))
-            wanted = (wanted | (record.pinned & set(dirs))) - record.excluded
+            wanted = set(select_versions(config.version_policy, list(dirs))) | (record.pinned & set(dirs))
+            if not wanted:  # Triton's refusal (a `specific` policy naming no existing folder, say)
+                raise invalid_arg(f"at least one version must be available under the version policy of model "
+                                  f"'{record.name}'")
+            wanted -= record.excluded
             spec = await loop.run_in_executor(None, model_config.build_spec, config, path)
             entry = backend_registry.lookup(spec.platform, spec.backend)
             weights = parse_weights(config.parameters[WEIGHTS_PARAMETER].string_value) \

@@ -51,8 +51,10 @@ def parse_config_text(text: str, source: str) -> mc.ModelConfig:
 
 def parse_config_file(path: Path) -> mc.ModelConfig:
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        # Bytes that are not UTF-8 are kept as surrogates: harmless in a comment (as in Triton's
+        # parser), and a parse error with its line and column inside a string value.
+        text = path.read_bytes().decode("utf-8", "surrogateescape")
+    except OSError as exc:
         raise invalid_arg(f"failed to read model configuration {path}: {exc}") from None
     return parse_config_text(text, str(path))
 

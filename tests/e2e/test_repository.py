@@ -46,6 +46,8 @@ def repo_server(tmp_path_factory):
     write_model(repo, "wrong_name", _identity_config("other_name"), fp32)
     write_model(repo, "on_gpu", _identity_config("on_gpu", "instance_group [ { kind: KIND_GPU } ]"), fp32)
     write_model(repo, "wrong_type", _identity_config("wrong_type").replace("TYPE_FP32", "TYPE_INT32"), fp32)
+    write_model(repo, "no_policy_match", _identity_config("no_policy_match",
+                                                          "version_policy: { specific { versions: [ 5 ] } }"), fp32)
     (repo / "no_versions").mkdir()
     (repo / "no_versions" / "config.pbtxt").write_text(_identity_config("no_versions"))
     server = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false",
@@ -122,6 +124,8 @@ def test_default_model_filename(repo_server):
     ("wrong_name", "does not match the name of its folder 'wrong_name'"),
     ("wrong_type", "is FP32 in the ONNX model but INT32 in the configuration"),
     ("no_versions", "has no version folders"),
+    ("no_policy_match", "at least one version must be available under the version policy of model "
+                        "'no_policy_match'"),  # Triton's words
 ])
 def test_bad_models_fail_alone_with_a_reason(repo_server, model, fragment):
     rows = _index(repo_server)[model]

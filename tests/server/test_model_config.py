@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,16 @@ def test_version_folders_are_ascii_integers_within_int64(tmp_path):
     for name in ("1", "7", "01", "99999999999999999999999", "\u0661", "x"):
         (tmp_path / name).mkdir()
     assert sorted(version_dirs(tmp_path)) == [1, 7]
+
+
+def test_bytes_that_are_not_utf8_in_a_config(tmp_path):
+    """In a comment they are skipped, as Triton's parser skips them; in a value the error names
+    the file, line and column."""
+    from server.repository.model_config import parse_config_file
+
+    path = tmp_path / "config.pbtxt"
+    path.write_bytes(b"# caf\xe9 latin-1 comment\nname: \"m\"\nmax_batch_size: 2\n")
+    assert parse_config_file(path).name == "m"
+    path.write_bytes(b"max_batch_size: 2\nname: \"m\xff\"\n")
+    with pytest.raises(PierError, match=rf"{re.escape(str(path))}:2:7"):
+        parse_config_file(path)
