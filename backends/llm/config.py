@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from backends.base import MAX_THREADS
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
@@ -60,8 +62,8 @@ class EngineConfig:
             raise ValueError("swap_space_bytes must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
-        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
-            raise ValueError("num_threads must be between 1 and 1024")
+        if self.num_threads is not None and not 1 <= self.num_threads <= MAX_THREADS:
+            raise ValueError(f"num_threads must be between 1 and {MAX_THREADS}")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **overrides: object) -> EngineConfig:

@@ -165,8 +165,6 @@ class OnnxInstance(ModelInstance):
         for specs, actual, kind in ((model.spec.inputs, self._in_types, "input"),
                                     (model.spec.outputs, self._out_types, "output")):
             for spec in specs:
-                if spec.name in actual and not (ragged and kind == "output"):
-                    _check_shape(model.spec, spec, shapes[spec.name], kind)
                 if spec.name not in actual:
                     raise invalid_arg(
                         f"unable to load model '{model.spec.name}', configuration expects {kind} "
@@ -177,6 +175,8 @@ class OnnxInstance(ModelInstance):
                         f"unable to load model '{model.spec.name}', {kind} '{spec.name}' is "
                         f"{actual[spec.name]} in the ONNX model but {spec.datatype} in the configuration"
                     )
+                if not (ragged and kind == "output"):
+                    _check_shape(model.spec, spec, shapes[spec.name], kind)
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
         return [self._run_one(r) for r in requests]

@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import hashlib
 import logging
+import math
 import random
 import shutil
 import tempfile
@@ -276,7 +277,7 @@ class RepositoryManager:
             raise not_found(f"model '{name}' has no READY version to route traffic to")
         ready = record.ready()
         for v, w in weights.items():
-            if not w >= 0 or w == float("inf"):  # NaN fails `>= 0`
+            if not math.isfinite(w) or w < 0:
                 raise invalid_arg(f"traffic weight for version {v} of '{name}' must be a finite number >= 0, got {w}")
             if v not in ready:
                 raise invalid_arg(f"version {v} of model '{name}' is not READY: it cannot take traffic")

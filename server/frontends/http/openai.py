@@ -55,14 +55,18 @@ _FLAGS = ("stream", "echo", "add_generation_prompt", "continue_final_message")
 _TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
 
 
-def _lax_bool(value: Any, key: str) -> bool:
-    """A boolean field as vLLM's pydantic models read one (lax mode): 0/1 and yes/no-style strings
-    count, anything else is a 400."""
+def _lax_bool(doc: dict[str, Any], key: str) -> None:
+    """Make `doc[key]` (when set) a bool, reading it as vLLM's pydantic models do (lax mode): 0/1
+    and yes/no-style strings count, anything else is a 400."""
+    value = doc.get(key)
+    if value is None or isinstance(value, bool):
+        return
     if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise _BadRequest(f"{key} must be a boolean, got {value!r}.", key)
+        doc[key] = bool(value)
+    elif isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        doc[key] = value.strip().lower() in _TRUE
+    else:
+        raise _BadRequest(f"{key} must be a boolean, got {value!r}.", key)
 
 
 def _bool_tensor(name: str, value: bool) -> Tensor:
@@ -103,8 +107,7 @@ class OpenAIHandlers:
         if not isinstance(doc, dict):
             raise _BadRequest("the request body must be a JSON object")
         for key in _FLAGS:
-            if doc.get(key) is not None and not isinstance(doc[key], bool):
-                doc[key] = _lax_bool(doc[key], key)
+            _lax_bool(doc, key)
         return doc
 
     @staticmethod
@@ -140,8 +143,7 @@ class OpenAIHandlers:
             raise _BadRequest("n must be 1 when using greedy sampling.", "n")
         logprobs: int | None = None
         if chat:
-            if doc.get("logprobs") is not None and not isinstance(doc["logprobs"], bool):
-                doc["logprobs"] = _lax_bool(doc["logprobs"], "logprobs")
+            _lax_bool(doc, "logprobs")
             top = doc.get("top_logprobs")
             if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
                 raise _BadRequest(f"top_logprobs must be a non-negative integer, got {top!r}.", "top_logprobs")
@@ -211,8 +213,8 @@ class OpenAIHandlers:
         else:
             raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
         for p in prompts:
-            if isinstance(p, list) and not all(0 <= t < 2**63 for t in p):
-                bad = next(t for t in p if not 0 <= t < 2**63)
+            bad = next((t for t in p if not 0 <= t < 2**63), None) if isinstance(p, list) else None
+            if bad is not None:
                 raise _BadRequest(f"token id {bad} in prompt is out of range.", "prompt")
         return prompts
 
