@@ -63,7 +63,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="accepted for tritonserver compatibility (no GPU metrics are exported)")
     flag("--metrics-interval-ms", type=int, default=2000,
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
-    flag("--id", default="pier", help="server name reported in server metadata")
+    flag("--id", default="triton", help="server name reported in server metadata (Triton's default: its client "
+         "examples check it; --id pier names Pier)")
     flag("--model-config-name", default="", metavar="NAME",
          help="use <model>/configs/NAME.pbtxt instead of config.pbtxt where a model has one")
     for name in ("reuse-http-port", "reuse-grpc-port", "grpc-use-ssl", "grpc-use-ssl-mutual"):

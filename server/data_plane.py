@@ -21,7 +21,7 @@ from server.tracing import Trace, Tracer
 from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from server.validation import to_api_outputs, validate_request
 
-SERVER_NAME = "pier"
+SERVER_NAME = "triton"  # Triton's --id default: its own client examples check the name
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("classification", "sequence", "model_repository", "model_repository(unload_dependents)",

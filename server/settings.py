@@ -37,7 +37,7 @@ class Settings:
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config
     trace_config: tuple[str, ...] = ()  # "[triton,]key=value" items, as tritonserver's --trace-config
     allow_cpu_metrics: bool = True
-    server_id: str = "pier"  # --id: the name server metadata reports
+    server_id: str = "triton"  # --id: the name server metadata reports (Triton's default)
     model_config_name: str = ""  # --model-config-name: use configs/<name>.pbtxt where a model has it
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False

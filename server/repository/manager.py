@@ -331,12 +331,13 @@ class RepositoryManager:
     def resolve(self, name: str, version: str = "") -> LoadedModel:
         """Triton's lookup: the named version if READY; else the newest READY one (or one picked
         by the rollout weights)."""
+        if version and not source.is_version(version):  # as Triton, before the model lookup
+            raise invalid_arg(f"failed to get model version from specified version string '{version}' "
+                              "(details: stol), version should be an integral value > 0")
         record = self._models.get(name)
         if record is None or (not record.versions and not record.error):
             raise not_found(f"Request for unknown model: '{name}' is not found")
         if version:
-            if not source.is_version(version):
-                raise invalid_arg(f"invalid model version '{version}': versions are integers")
             vr = record.versions.get(int(version))
             if vr is None:
                 raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
@@ -544,11 +545,10 @@ class RepositoryManager:
             for rel, content in override.files.items():
                 target = (root / rel).resolve()
                 parts = Path(rel).parts
-                if (Path(rel).is_absolute() or ".." in parts or len(parts) < 2 or not source.is_version(parts[0])
-                        or not target.is_relative_to(root)):
+                if Path(rel).is_absolute() or ".." in parts or not parts or not target.is_relative_to(root):
                     shutil.rmtree(tmp, ignore_errors=True)
-                    raise invalid_arg(f"invalid file parameter 'file:{rel}': expected 'file:<version>/<path>' "
-                                      "inside the model folder")
+                    raise invalid_arg(f"invalid file parameter 'file:{rel}': expected a path inside the model "
+                                      "folder, e.g. 'file:1/model.onnx' or 'file:labels.txt'")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(content)
             self._drop_override(record)

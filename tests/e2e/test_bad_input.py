@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from server.protocol import grpc_service_pb2 as pb
 from server.protocol import grpc_service_pb2_grpc as pb_grpc
@@ -184,6 +185,13 @@ def _typed_mixed():
     return req
 
 
+def _contents_and_raw():
+    """grpc_explicit_int_content_client's mistake: INPUT0 as typed contents, INPUT1 as raw bytes."""
+    req = _req(raw=[np.arange(16, dtype=np.int32).tobytes()])
+    req.inputs[0].contents.int_contents.extend(range(16))
+    return req
+
+
 def _with_param(req, key, value):
     if isinstance(value, int):
         req.parameters[key].int64_param = value
@@ -222,7 +230,11 @@ GRPC_CASES = [
      "invalid value for 'priority' parameter, expected value >= 0."),
     ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
     ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
-    ("non-ASCII digit version", _req(version="\u0661"), grpc.StatusCode.INVALID_ARGUMENT, "invalid model version"),
+    ("non-ASCII digit version", _req(version="\u0661"), grpc.StatusCode.INVALID_ARGUMENT,
+     "failed to get model version from specified version string '\u0661' (details: stol), version should be an "
+     "integral value > 0"),
+    ("contents and raw_input_contents", _contents_and_raw(), grpc.StatusCode.INVALID_ARGUMENT,
+     "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'simple'"),
     ("unknown version", _req(version="7"), grpc.StatusCode.NOT_FOUND, "version 7 is not found"),
     ("oversized message", _req(raw=[b"\0" * (LIMIT + 10), b"\0" * 64]), grpc.StatusCode.RESOURCE_EXHAUSTED,
      "larger than max"),
@@ -244,6 +256,22 @@ def test_grpc_bad_input(small_pier, case, request_msg, code, fragment):
     inputs[1].set_data_from_numpy(a)
     result = client.infer("simple", inputs)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+
+
+def test_grpc_version_that_is_not_an_integer(small_pier):
+    """Triton answers INVALID_ARGUMENT on every model RPC, ModelReady included (which answers an
+    unknown model or version with ready=false)."""
+    message = "failed to get model version from specified version string 'wrong_specification'"
+    client = grpcclient.InferenceServerClient(small_pier.grpc_url)
+    for call in (lambda: client.is_model_ready("simple", "wrong_specification"),
+                 lambda: client.is_model_ready("nope", "wrong_specification"),
+                 lambda: client.get_model_metadata("simple", "wrong_specification"),
+                 lambda: client.get_model_config("simple", "wrong_specification")):
+        with pytest.raises(InferenceServerException) as err:
+            call()
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and message in err.value.message()
+    assert client.is_model_ready("simple", "1") and not client.is_model_ready("simple", "7")
+    assert not client.is_model_ready("nope")
 
 
 def test_binary_tensor_data_is_not_bounded_by_the_json_limit(small_pier):

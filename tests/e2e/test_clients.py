@@ -91,7 +91,7 @@ def test_health_and_metadata_http(pier):
     assert not client.is_model_ready("nope")
     assert not client.is_model_ready("simple", "7")
     meta = client.get_server_metadata()
-    assert meta["name"] == "pier" and meta["version"]
+    assert meta["name"] == "triton" and meta["version"]  # Triton's --id default
     assert "binary_tensor_data" in meta["extensions"] and "model_configuration" in meta["extensions"]
     # Triton's order; schedule_policy = request priority and timeout parameters (dynamic batcher)
     assert [e for e in meta["extensions"] if e in ("classification", "model_repository", "schedule_policy",
@@ -118,7 +118,7 @@ def test_health_and_metadata_grpc(pier):
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("simple")
     meta = client.get_server_metadata()
-    assert meta.name == "pier" and "binary_tensor_data" in meta.extensions
+    assert meta.name == "triton" and "binary_tensor_data" in meta.extensions
     mm = client.get_model_metadata("simple")
     assert mm.name == "simple" and list(mm.versions) == ["1"] and mm.platform == "onnxruntime_onnx"
     assert [(i.name, i.datatype, list(i.shape)) for i in mm.inputs] == [

@@ -132,6 +132,22 @@ def test_load_with_files_in_the_request(server: PierProcess, http, tmp_path: Pat
     wait_for(lambda: index(server).get(("uploaded", "3")) == ("UNAVAILABLE", "unloaded"), what="uploaded unloaded")
 
 
+def test_load_with_a_file_at_the_model_root(server: PierProcess, http) -> None:
+    """As Triton: a file sent with the load may sit beside the version folders, e.g. the label file
+    an output's label_filename names."""
+    config = {"backend": "onnxruntime", "max_batch_size": 8,
+              "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4]}],
+              "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4], "label_filename": "labels.txt"}]}
+    http.load_model("labelled", config=json.dumps(config),
+                    files={"file:1/model.onnx": add_constant_model(7.0), "file:labels.txt": b"a\nb\nc\nd\n"})
+    inp = httpclient.InferInput("X", [1, 4], "FP32")
+    inp.set_data_from_numpy(X[:1])
+    result = http.infer("labelled", [inp], outputs=[httpclient.InferRequestedOutput("Y", class_count=1)])
+    top = np.argmax(X[0])
+    assert result.as_numpy("Y")[0][0].decode().endswith(f":{top}:{'abcd'[top]}")
+    http.unload_model("labelled")
+
+
 def test_broken_model_fails_with_reason_and_others_keep_serving(server: PierProcess, http) -> None:
     with pytest.raises(InferenceServerException, match="broken") as err:
         http.load_model("broken")

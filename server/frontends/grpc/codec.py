@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from server.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
-from server.errors import invalid_arg
+from server.errors import PierError, invalid_arg
 from server.protocol import grpc_service_pb2 as pb
 from server.shared_memory import (
     SystemSharedMemory,
@@ -79,6 +79,11 @@ def _check_raw_count(raw: Any, sent: list[Any], model: str) -> None:
                           "that are not in shared memory")
 
 
+def _contents_conflict(name: str, model: str) -> PierError:
+    return invalid_arg(f"contents field must not be specified when using raw_input_contents for '{name}' "
+                       f"for model '{model}'")
+
+
 def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = None) -> InferenceRequest:
     """`shm`: the registered shared-memory regions inputs and outputs may name (None: none may).
     raw_input_contents holds one entry per input that is not in shared memory, in order."""
@@ -86,6 +91,9 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
     model = req.model_name
     req_inputs = req.inputs
     if raw and len(raw) != len(req_inputs):  # equal counts with an input in shared memory: see the loop
+        for t in req_inputs:  # as Triton, an input that has contents fails first
+            if t.HasField("contents") and not _in_shm(t):
+                raise _contents_conflict(t.name, model)
         _check_raw_count(raw, [t for t in req_inputs if not _in_shm(t)], model)
     inputs = []
     i = 0
@@ -109,10 +117,7 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
                 continue
         if raw:
             if t.HasField("contents"):
-                raise invalid_arg(
-                    f"contents field must not be specified when using raw_input_contents for '{name}' "
-                    f"for model '{model}'"
-                )
+                raise _contents_conflict(name, model)
             data = from_raw(raw[i], datatype, shape, name, model, req.id)
         else:
             data = _from_contents(t, datatype, shape, model)

@@ -121,10 +121,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        # Triton 2.51 answers OK + ready=false for unknown models and versions (not an error).
+        # Triton 2.51 answers OK + ready=false for unknown models and versions (not an error), and
+        # INVALID_ARGUMENT for a version that is not an integer.
         try:
             ready = self.plane.model_ready(request.name, request.version)
-        except PierError:
+        except PierError as exc:
+            if exc.code is ErrorCode.INVALID_ARG:
+                raise
             ready = False
         return pb.ModelReadyResponse(ready=ready)
 
