@@ -84,9 +84,7 @@ class DataPlane:
     # ---- models --------------------------------------------------------------------------
 
     def _model(self, name: str, version: str) -> LoadedModel:
-        if not name:
-            raise invalid_arg("a model name is required")
-        return self._manager.resolve(name, version)
+        return self._manager.resolve(name, version)  # an empty name is an unknown model, as in Triton
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """True when a version can serve; unknown models/versions raise as Triton's lookup does."""
@@ -145,14 +143,6 @@ class DataPlane:
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
         return self._model(request.model_name, request.model_version)
-
-    @staticmethod
-    def _validate(model: LoadedModel, request: InferenceRequest) -> int:
-        try:
-            return validate_request(model.spec, request)
-        except PierError:
-            model.stats.record_request(False, 0, reason="OTHER")
-            raise
 
     def _begin(self) -> None:
         self._inflight += 1
@@ -214,7 +204,9 @@ class DataPlane:
     async def _infer(self, model: LoadedModel, request: InferenceRequest, batch: int = -1) -> InferenceResponse:
         """Run one request (`batch`: its batch size when already validated, for a cache miss)."""
         if batch < 0:
-            batch = self._validate(model, request)
+            # A request refused here never reached the model: as in Triton 2.51 (probed), it counts
+            # in neither the statistics' fail count nor nv_inference_request_failure.
+            batch = validate_request(model.spec, request)
             if self.cache is not None and model.spec.response_cache:
                 return await self._infer_cached(model, request, batch, self.cache)
         trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
@@ -257,7 +249,7 @@ class DataPlane:
         if not model.spec.decoupled:
             yield await self._infer(model, request)
             return
-        batch = self._validate(model, request)
+        batch = validate_request(model.spec, request)
         trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()

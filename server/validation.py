@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from server.errors import invalid_arg
+from server.errors import PierError, invalid_arg
 from server.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
 _BATCH_NOTE = (
@@ -98,14 +98,15 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
     plan = _plan(spec)
     inputs = request.inputs
     if not len(plan.required) <= len(inputs) <= plan.n_inputs:
+        _check_unique(request)  # as Triton: a repeated input is named before the count is checked
         _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
     batch: int | None = None
     seen: set[str] = set()
     for tensor in inputs:
         name = tensor.name
         ts = spec.input(name)
-        if ts is None:
-            raise invalid_arg(f"{request_prefix(request)}unexpected inference input '{name}' for model '{spec.name}'")
+        if ts is None:  # Triton's wording has no request id here
+            raise invalid_arg(f"unexpected inference input '{name}' for model '{spec.name}'")
         if name in seen:
             raise invalid_arg(f"{request_prefix(request)}input '{name}' already exists in request")
         seen.add(name)
@@ -114,13 +115,13 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
                 f"{request_prefix(request)}inference input '{name}' data-type is '{tensor.datatype}', "
                 f"but model '{spec.name}' expects '{ts.datatype}'"
             )
+        if batch is not None and plan.batching and tensor.shape and tensor.shape[0] != batch:
+            raise _batch_mismatch(spec, request, name)  # as Triton, before this input's own checks
         b = _check_shape(spec, plan.batching, ts, tensor, request)
         if batch is None:
             batch = b
         elif b != batch:
-            raise invalid_arg(
-                f"{request_prefix(request)}input '{name}' batch size does not match other inputs for '{spec.name}'"
-            )
+            raise _batch_mismatch(spec, request, name)
     if not seen.issuperset(plan.required):
         _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
     for source in plan.sources:
@@ -138,6 +139,19 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         if len(unique) != len(request.outputs):
             request.outputs = list(unique.values())
     return batch if batch is not None else 1
+
+
+def _batch_mismatch(spec: ModelSpec, request: InferenceRequest, name: str) -> PierError:
+    return invalid_arg(f"{request_prefix(request)}input '{name}' batch size does not match other inputs for "
+                       f"'{spec.name}'")
+
+
+def _check_unique(request: InferenceRequest) -> None:
+    seen: set[str] = set()
+    for t in request.inputs:
+        if t.name in seen:
+            raise invalid_arg(f"{request_prefix(request)}input '{t.name}' already exists in request")
+        seen.add(t.name)
 
 
 def _batch_sources(spec: ModelSpec) -> list[str]:

@@ -88,4 +88,8 @@ def array_to_json(array: np.ndarray, datatype: str) -> Any:
     flat = array.reshape(-1)
     if datatype == "BYTES":
         return [to_bytes_element(x).decode("utf-8", "replace") for x in flat]
+    if flat.dtype == np.float32:
+        # As Triton: the float widened to a double, written in full (0.1f -> 0.10000000149011612), so
+        # the JSON equals the float32 array's .tolist(); orjson would write float32's short form (0.1).
+        return flat.astype(np.float64)
     return flat  # orjson serializes numpy arrays natively (OPT_SERIALIZE_NUMPY)

@@ -3,6 +3,7 @@ takes traffic, so the first real request does not pay for lazy initialisation.""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from server.errors import PierError, invalid_arg
 from server.protocol import model_config_pb2 as mc
 from server.scheduling.batch import merge
 from server.scheduling.ragged import BatchLayout
+from server.statistics import ModelStatistics
 from server.types import InferenceRequest, ModelSpec, Tensor
 from server.validation import validate_request
 
@@ -48,10 +50,13 @@ def _tensor(name: str, spec_input: mc.ModelWarmup.Input, shape: list[int], model
     return Tensor(name, datatype, list(shape), data)
 
 
-def warm_up(config: mc.ModelConfig, spec: ModelSpec, model_dir: Path, instances: list[ModelInstance]) -> None:
-    """Blocking: run every warmup sample `count` times (at least once) on every instance.
+def warm_up(config: mc.ModelConfig, spec: ModelSpec, model_dir: Path,
+            instances: list[ModelInstance]) -> list[tuple[int, int]]:
+    """Blocking: run every warmup sample `count` times (at least once) on every instance; returns
+    each run's (batch size, execution ns) for the statistics, which count them as Triton does.
     Raises INVALID_ARG naming the sample when one fails: the version does not load."""
     rng = np.random.default_rng(0)
+    runs: list[tuple[int, int]] = []
     for sample in config.model_warmup:
         label = sample.name or "<unnamed>"
         try:
@@ -69,6 +74,18 @@ def warm_up(config: mc.ModelConfig, spec: ModelSpec, model_dir: Path, instances:
             request = merge([request], layout)
         for instance in instances:
             for _ in range(max(sample.count, 1)):
+                start = time.perf_counter_ns()
                 results = instance.execute([request])
                 if results and isinstance(results[0], PierError):
                     raise invalid_arg(f"warmup sample '{label}' failed: {results[0].message}")
+                runs.append((batch, time.perf_counter_ns() - start))
+    return runs
+
+
+def record_warmup(stats: ModelStatistics, runs: list[tuple[int, int]]) -> None:
+    """Triton 2.51 counts warmup (probed): a sample of batch size B is B requests of batch 1 run as
+    one execution, so each run adds B successful requests, B inferences and one execution."""
+    for batch, ns in runs:
+        stats.record_execution(batch, 0, ns, 0)
+        for _ in range(batch):
+            stats.record_request(True, ns, 0, 0, ns, 0)

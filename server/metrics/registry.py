@@ -155,10 +155,12 @@ class MetricsRenderer:
         self._system = SystemUsage()
 
     @staticmethod
-    def _cache_metrics(models: list[LoadedModel], cache: ResponseCache) -> str:
-        """Triton's response cache families: per model (hits, misses and their durations), and the
-        cache's own fill."""
+    def _cache_metrics(models: list[LoadedModel], cache: ResponseCache | None) -> str:
+        """Triton's response cache families: per model (hits, misses and their durations) for the
+        models whose config enables the cache (even with no cache configured, as Triton 2.51 does:
+        zeros), and the cache's own fill when there is a cache."""
         parts = []
+        models = [m for m in models if m.spec.response_cache]
         for name, help_text, stage, get in (
             ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit", lambda d: d.count),
             ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
@@ -168,8 +170,11 @@ class MetricsRenderer:
              "Total cache miss (insert+lookup) duration per model, in microseconds", "cache_miss",
              lambda d: d.ns // 1000),
         ):
-            parts.append(_family(name, "counter", help_text,
-                                 [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
+            if models:
+                parts.append(_family(name, "counter", help_text,
+                                     [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
+        if cache is None:
+            return "".join(parts)
         for name, help_text, value in (
             ("nv_cache_num_entries", "Number of responses stored in response cache", len(cache)),
             ("nv_cache_num_lookups", "Number of cache lookups in response cache", cache.hits + cache.misses),
@@ -200,8 +205,7 @@ class MetricsRenderer:
             for name, help_text, _, _, stage in _STAGE_METRICS:
                 rows = [f"{name}{{{_labels(m)}}} {getattr(m.stats, stage).ns // 1000}\n" for m in models]
                 parts.append(_family(name, "counter", help_text, rows))
-        if self._cache is not None:
-            parts.append(self._cache_metrics(models, self._cache))
+        parts.append(self._cache_metrics(models, self._cache))
         parts.append(_family(
             "nv_inference_pending_request_count", "gauge",
             "Instantaneous number of pending requests awaiting execution per-model.",

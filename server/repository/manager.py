@@ -26,7 +26,7 @@ from server import backend_registry
 from server.errors import PierError, invalid_arg, not_found, unavailable
 from server.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
 from server.lifecycle.state import ModelState
-from server.lifecycle.warmup import warm_up
+from server.lifecycle.warmup import record_warmup, warm_up
 from server.protocol import model_config_pb2 as mc
 from server.repository import model_config, source
 from server.repository.version_policy import select_versions
@@ -598,12 +598,13 @@ class RepositoryManager:
             except Exception as exc:  # a backend failing to load must not take the server down
                 return f"{type(exc).__name__}: {exc}"
             try:
-                await loop.run_in_executor(None, warm_up, config, spec, path, instances)
+                warmups = await loop.run_in_executor(None, warm_up, config, spec, path, instances)
             except PierError as exc:
                 for inst in instances:
                     inst.close()
                 return exc.message
         model = build_loaded_model(spec, config, version, instances, self._keep_recent)
+        record_warmup(model.stats, warmups)
         model.load_duration_s = time.perf_counter() - start
         return model
 

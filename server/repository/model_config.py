@@ -102,6 +102,9 @@ def complete_config(
     if out.HasField("dynamic_batching") and not out.dynamic_batching.preferred_batch_size:
         if out.max_batch_size > 0:
             out.dynamic_batching.preferred_batch_size.append(out.max_batch_size)
+    oldest = out.sequence_batching.oldest if out.sequence_batching.HasField("oldest") else None
+    if oldest is not None and not oldest.preferred_batch_size and out.max_batch_size > 0:
+        oldest.preferred_batch_size.append(out.max_batch_size)  # as Triton's dynamic_batching default
     if not out.HasField("optimization"):
         out.optimization.input_pinned_memory.enable = True
         out.optimization.output_pinned_memory.enable = True
@@ -184,8 +187,8 @@ def _has_scheduler(config: mc.ModelConfig) -> bool:
 
 
 def _complete_instance_groups(config: mc.ModelConfig) -> None:
-    if not config.instance_group:
-        config.instance_group.add()
+    if not config.instance_group:  # as Triton: one group named after the model
+        config.instance_group.add(name=config.name)
     for i, group in enumerate(config.instance_group):
         if not group.name:
             group.name = f"{config.name}_{i}"

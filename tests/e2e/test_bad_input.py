@@ -55,6 +55,8 @@ NOT_UTF8_HEADER = json.dumps({"inputs": [
 # (case, method, path, body, headers, status, message fragment)
 HTTP_CASES = [
     ("malformed JSON", "POST", "/v2/models/simple/infer", b"garbage{", {}, 400, "failed to parse the request JSON"),
+    ("index ready not a boolean", "POST", "/v2/repository/index", b'{"ready": "yes"}', {}, 400,
+     "'ready' must be a boolean"),
     ("JSON not an object", "POST", "/v2/models/simple/infer", b"[1,2]", {}, 400, "must be an object"),
     ("no inputs", "POST", "/v2/models/simple/infer", b'{"inputs": []}', {}, 400,
      "expected 2 inputs but got 0 inputs for model 'simple'"),
@@ -108,6 +110,11 @@ HTTP_CASES = [
      _body(_inp("INPUT0"), _inp("INPUT1"), _inp("BAD")), {}, 400, "expected 2 inputs but got 3 inputs"),
     ("duplicate input", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0"), _inp("INPUT0")), {}, 400, "input 'INPUT0' already exists in request"),
+    ("duplicate input past the count", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0"), _inp("INPUT1"), _inp("INPUT0")), {}, 400, "input 'INPUT0' already exists in request"),
+    ("second input without the batch dim", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0"), _inp("INPUT1", shape=(16,))), {}, 400,
+     "input 'INPUT1' batch size does not match other inputs for 'simple'"),
     ("data and binary_data_size", "POST", "/v2/models/simple/infer",
      _body({**_inp("INPUT0"), "parameters": {"binary_data_size": 64}}, _inp("INPUT1")), {}, 400,
      "Input must set only one of the following fields"),
@@ -230,6 +237,7 @@ GRPC_CASES = [
      "invalid value for 'priority' parameter, expected value >= 0."),
     ("unknown output", _req(outputs=("NOPE",)), grpc.StatusCode.INVALID_ARGUMENT, "unexpected inference output"),
     ("unknown model", _req(model="nope"), grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'nope' is not found"),
+    ("empty model name", _req(model=""), grpc.StatusCode.NOT_FOUND, "Request for unknown model: '' is not found"),
     ("non-ASCII digit version", _req(version="\u0661"), grpc.StatusCode.INVALID_ARGUMENT,
      "failed to get model version from specified version string '\u0661' (details: stol), version should be an "
      "integral value > 0"),
@@ -272,6 +280,16 @@ def test_grpc_version_that_is_not_an_integer(small_pier):
         assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and message in err.value.message()
     assert client.is_model_ready("simple", "1") and not client.is_model_ready("simple", "7")
     assert not client.is_model_ready("nope")
+
+
+def test_grpc_repository_index_of_a_named_repository_is_unimplemented(small_pier):
+    with grpc.insecure_channel(small_pier.grpc_url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RepositoryIndex(pb.RepositoryIndexRequest(repository_name="x"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "'repository_name' specification is not supported" in err.value.details()
+        assert any(m.name == "simple" for m in stub.RepositoryIndex(pb.RepositoryIndexRequest(), timeout=10).models)
 
 
 def test_binary_tensor_data_is_not_bounded_by_the_json_limit(small_pier):

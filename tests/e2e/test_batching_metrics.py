@@ -80,7 +80,13 @@ def test_counts_match_requests_and_batches_form(server):
     with ThreadPoolExecutor(20) as pool:
         list(pool.map(one, range(100)))
     assert len(sent) == 100
+    bad = grpcclient.InferInput("INPUT0", [1, 7], "FP32")  # a client mistake: never reaches the model
+    bad.set_data_from_numpy(np.zeros((1, 7), dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="unexpected shape"):
+        client.infer("batched", [bad])
     stats = client.get_inference_statistics("batched", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["fail"].get("count", 0)) == 0  # as Triton 2.51 counts it
+    assert _metric(server, "nv_inference_request_failure", "batched", 'reason="OTHER",') == 0
     assert int(stats["inference_count"]) == 100
     assert int(stats["execution_count"]) < 100
     assert sum(int(b["batch_size"]) * int(b["compute_infer"]["count"]) for b in stats["batch_stats"]) == 100

@@ -126,6 +126,30 @@ def test_non_finite_floats_round_trip_as_json(pier):
     assert np.isnan(out[0, 0]) and out[0, 1] == np.inf and out[0, 2] == -np.inf and out[0, 3] == 1.5
 
 
+def test_fp32_json_output_is_the_widened_double(pier):
+    """Triton writes a float32 output as the double it widens to (0.1f -> 0.10000000149011612), so the
+    JSON equals the float32 array's .tolist(), the comparison clients write."""
+    x = np.array([0.1, 3.4e38, -1.1754944e-38, 2.5], dtype=np.float32)
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                        "data": [0.1, 3.4e38, -1.1754944e-38, 2.5]}]}
+    r = requests.post(f"{pier.base()}/v2/models/identity_fp32/infer", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    assert '"data":[0.10000000149011612,' in r.text, r.text
+    assert r.json()["outputs"][0]["data"] == x.tolist()
+
+
+def test_trace_settings_need_a_trace_file(pier):
+    """As Triton 2.51: tracing cannot be switched on without a trace file, and the file is not
+    settable over the network (not even to its current value)."""
+    url = f"{pier.base()}/v2/trace/setting"
+    r = requests.post(url, json={"trace_level": ["TIMESTAMPS"]}, timeout=5)
+    assert r.status_code == 400 and "trace file name is not given" in r.json()["error"], r.text
+    r = requests.post(url, json={"trace_file": ""}, timeout=5)
+    assert r.status_code == 501, r.text
+    assert requests.get(url, timeout=5).json()["trace_level"] == ["OFF"]
+    assert requests.post(url, json={"trace_rate": "5"}, timeout=5).json()["trace_rate"] == "5"
+
+
 def test_version_string_is_normalized(pier):
     meta = requests.get(f"{pier.base()}/v2/models/simple/versions/01", timeout=5).json()
     assert meta["versions"] == ["1"]

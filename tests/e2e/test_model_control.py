@@ -339,6 +339,12 @@ def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http) 
 
     good = {"X": {"data_type": "TYPE_FP32", "dims": [4], "random_data": True}}
     http.load_model("other", config=warmup(good))
+    # Triton counts warmup: a batch-2 sample is 2 requests run as one execution, per run per instance
+    n = sum(g["count"] for g in http.get_model_config("other")["instance_group"]) * 3
+    stats = http.get_inference_statistics("other")["model_stats"][0]
+    assert (stats["inference_count"], stats["execution_count"]) == (2 * n, n)
+    assert stats["inference_stats"]["success"]["count"] == 2 * n and stats["last_inference"] > 0
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(2, n)]
     assert np.allclose(add_infer(http, "other")[1], X + 10)
     with pytest.raises(InferenceServerException, match="warmup sample 'sample'.*NOPE"):
         http.load_model("other", config=warmup({"NOPE": {"data_type": "TYPE_FP32", "dims": [4], "zero_data": True}}))

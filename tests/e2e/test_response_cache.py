@@ -84,6 +84,7 @@ def test_identical_requests_are_answered_from_the_cache(server) -> None:
     metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     assert 'nv_cache_num_hits_per_model{model="cached",version="1"} 3' in metrics
     assert 'nv_cache_num_misses_per_model{model="cached",version="1"} 3' in metrics
+    assert 'nv_cache_num_hits_per_model{model="plain"' not in metrics  # only models that enable the cache
     assert 'nv_inference_count{model="cached",version="1"} 3' in metrics
     assert "nv_cache_num_entries 3" in metrics
     assert "nv_cache_num_hits 3" in metrics and "nv_cache_num_lookups 6" in metrics  # cache-wide totals
@@ -112,8 +113,12 @@ def test_no_cache_without_cache_config(tmp_path: Path) -> None:
         for _ in range(2):
             _infer(h, "cached", 0)
         assert _stats(server, "cached")["execution_count"] == 2
-        assert "nv_cache_num_hits_per_model" not in requests.get(
-            f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+        metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+        # as Triton 2.51: the per-model families of a model that enables the cache, at zero; no
+        # cache-wide families
+        assert 'nv_cache_num_hits_per_model{model="cached",version="1"} 0' in metrics
+        assert 'model="plain"' not in metrics.split("nv_cache_num_hits_per_model", 1)[1].split("# HELP")[0]
+        assert "nv_cache_num_entries" not in metrics
     finally:
         assert server.stop() == 0
 

@@ -57,6 +57,20 @@ def test_completion_fills_what_triton_fills():
     assert spec.api_shape(spec.inputs[0]) == [-1, -1, 4] and spec.input("IN").datatype == "FP32"
 
 
+def test_completion_defaults_for_a_bare_config():
+    """Triton names the instance group it adds after the model, and gives the sequence batcher's
+    oldest strategy the same preferred_batch_size default as dynamic_batching (both probed)."""
+    c = complete('''name: "m"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+sequence_batching { oldest { max_candidate_sequences: 2 } }
+''')
+    assert [(g.name, g.count) for g in c.instance_group] == [("m", 1)]
+    assert list(c.sequence_batching.oldest.preferred_batch_size) == [4]
+
+
 @pytest.mark.parametrize("text,fragment", [
     (GOOD.replace('name: "m"', 'name: "other"'), "does not match the name of its folder 'm'"),
     (GOOD.replace("data_type: TYPE_FP32 dims: [ -1, 4 ] } ]\noutput", "dims: [ 4 ] } ]\noutput"),

@@ -94,7 +94,7 @@ def _not_yet(rpc: str) -> Callable[..., Any]:
 
 def _check_repository(name: str) -> None:
     if name:
-        raise unsupported(f"named repositories ('{name}') are not supported: leave repository_name empty")
+        raise unsupported(f"'repository_name' specification is not supported (got '{name}'): leave it empty")
 
 
 def _repository_parameters(params: Any) -> dict[str, Any]:
@@ -151,6 +151,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        _check_repository(request.repository_name)
         rows = self.control.index(request.ready)
         return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
 
@@ -248,6 +249,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         if final and not item.outputs and not empty_final:
                             continue
                         resp = codec.encode_response(item, request, self.plane.shared_memory)
+                        if final and not item.outputs:
+                            resp.ClearField("model_version")  # as Triton's empty final response
                         resp.parameters["triton_final_response"].bool_param = final
                         out.put_nowait(pb.ModelStreamInferResponse(infer_response=resp))
             except PierError as exc:  # the request was refused (validation) before it produced anything

@@ -88,7 +88,10 @@ class HttpHandlers:
 
     async def repository_index(self, request: web.Request) -> web.Response:
         doc = await self._body(request, "index")
-        return _json(self.control.index(doc.get("ready", False) is True))
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):  # Triton answers 500; it is the client's mistake
+            raise invalid_arg(f"repository index: 'ready' must be a boolean, got {orjson.dumps(ready).decode()}")
+        return _json(self.control.index(ready))
 
     async def repository_load(self, request: web.Request) -> web.Response:
         params = await self._parameters(request, "load")

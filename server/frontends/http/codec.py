@@ -167,7 +167,8 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
     inputs = metadata["inputs"]
     if len(inputs) != 1:
         raise invalid_arg(
-            f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} inputs in "
+            f"[request id: <id_unknown>] Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(inputs)} inputs in "
             f"'{model}' model configuration"
         )
     spec = inputs[0]
