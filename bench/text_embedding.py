@@ -1,8 +1,9 @@
 """(a) text_embedding (all-MiniLM-L6-v2, fixed 32-token sentences): Pier with dynamic batching vs
 Pier without (the same model, its dynamic_batching section removed) vs onnxruntime called directly in
-this process at batch 1, 8, 32 (the limit). Pier is driven by perf_analyzer over gRPC with real
-token ids (`--input-data` JSON), one sentence per request, at concurrency 1, 8, 32; everything is
-reported in sequences/s. Points are interleaved: for each level, direct ORT, then both Pier models."""
+this process at batch 1, 8, 32 (the limit). Pier is driven by perf_analyzer over HTTP (its default
+protocol, binary tensors) with real token ids (`--input-data` JSON), one sentence per request, at
+concurrency 1, 8, 32, plus gRPC at the two target points (batched c=32, unbatched c=1); everything is
+reported in sequences/s. Points are interleaved: for each level, direct ORT, then the Pier rows."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ SRC = ROOT / "model_repository" / MODEL
 LEVELS = [1, 8, 32]
 SEQ_LEN = 32
 BATCHED, UNBATCHED, DIRECT = "Pier (dynamic batching)", "Pier (no batching)", "onnxruntime direct"
+BATCHED_GRPC, UNBATCHED_GRPC = "Pier (dynamic batching) over gRPC", "Pier (no batching) over gRPC"
+GRPC_POINTS = {32: (BATCHED_GRPC, MODEL), 1: (UNBATCHED_GRPC, NOBATCH)}  # the targets' points, over gRPC too
 
 
 def ensure_model() -> Path:
@@ -148,8 +151,10 @@ def run(settings: Settings) -> Path:
     tok = Tokenizer(max_length=SEQ_LEN)
     ids, mask = fixed_length_inputs(max(LEVELS) * 2, SEQ_LEN, tok)
     group = report.Group(f"text_embedding, {SEQ_LEN}-token sentences: sequences/s", "concurrency / batch",
-                         "seq/s", [BATCHED, UNBATCHED, DIRECT], LEVELS, refs=[DIRECT, UNBATCHED],
-                         x_labels={BATCHED: "c", UNBATCHED: "c", DIRECT: "batch"})
+                         "seq/s", [BATCHED, UNBATCHED, BATCHED_GRPC, UNBATCHED_GRPC, DIRECT], LEVELS,
+                         refs=[DIRECT, UNBATCHED],
+                         x_labels={BATCHED: "c", UNBATCHED: "c", BATCHED_GRPC: "c", UNBATCHED_GRPC: "c",
+                                   DIRECT: "batch"})
     notes: list[str] = []
     # Same session options as Pier's onnxruntime backend (defaults: no thread parameters in the config).
     sess = ort.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
@@ -174,12 +179,24 @@ def run(settings: Settings) -> Path:
                     f"p50 {pt.p50_us / 1000:.1f} ms/call")
                 group.add(DIRECT, level, pt)
                 measure_both(group, pier, rnd, level, notes, lambda m, c, lb: perf_analyzer_point(
-                    pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb, window_ms=window_ms))
+                    pa, settings, m, pier.http, "http", c, ["--input-data", str(data)], lb, window_ms=window_ms))
+                if level in GRPC_POINTS:
+                    name, model = GRPC_POINTS[level]
+                    label = f"round {rnd + 1} c={level} {name}"
+                    pt = measure(pier, lambda m=model, c=level, lb=label: perf_analyzer_point(
+                        pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb,
+                        window_ms=window_ms), label, notes)
+                    if pt is not None:
+                        log(f"{label}: {pt.throughput:,.1f} seq/s")
+                        group.add(name, level, pt)
 
     targets = batching_targets(group, DIRECT, "direct ORT")
     group.notes += [
-        "Pier rows: perf_analyzer over gRPC, sync, one 32-token sentence per request (batch 1), real token ids "
-        f"from `bench/tokenization.py` (`--input-data`, {len(ids)} rows); seq/s = infer/s; latency per request.",
+        "Pier rows: perf_analyzer over HTTP (its default protocol; binary tensor data), sync, one 32-token "
+        f"sentence per request (batch 1), real token ids from `bench/tokenization.py` (`--input-data`, {len(ids)} "
+        "rows); seq/s = infer/s; latency per request. The `over gRPC` rows measure the two target points with "
+        "`-i grpc`: in a Python server a gRPC request costs more CPU than an HTTP one (grpc.aio's machinery; "
+        "see identity_fp32.md), CPU that the two onnxruntime threads then lack on these 2 cores.",
         "onnxruntime direct rows: `InferenceSession.run` back to back in the harness process, default session "
         "options (as Pier's backend uses them), one call = one batch of that many sentences; latency per call.",
         f"{BATCHED}: `{MODEL}` as in model_repository/{MODEL}/config.pbtxt; {UNBATCHED}: the same model with its "
