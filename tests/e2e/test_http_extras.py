@@ -109,7 +109,10 @@ def test_health_bodies_are_empty_and_model_ready_codes(pier):
     for path in paths:
         r = requests.get(pier.base() + path, timeout=5)
         assert r.status_code == 200 and r.content == b"", path
-    assert requests.get(pier.base() + "/v2/models/nope/ready", timeout=5).status_code == 400
+        assert r.headers["Content-Type"].startswith("text/plain"), path  # as Triton 2.51
+    for path in ("/v2/models/nope/ready", "/v2/models/simple/versions/9/ready"):
+        r = requests.get(pier.base() + path, timeout=5)
+        assert r.status_code == 400 and r.json() == {"error": "Model version not ready"}, path  # Triton's body
 
 
 def test_non_finite_floats_round_trip_as_json(pier):

@@ -44,11 +44,12 @@ class HttpHandlers:
         self.control = control
         self.max_json_size = max_json_size
 
+    # Health answers as Triton 2.51's (probed): text/plain, empty when ready.
     async def live(self, request: web.Request) -> web.Response:
-        return _empty(200 if self.plane.live() else 400)
+        return web.Response(status=200 if self.plane.live() else 400, content_type="text/plain")
 
     async def ready(self, request: web.Request) -> web.Response:
-        return _empty(200 if self.plane.ready() else 400)
+        return web.Response(status=200 if self.plane.ready() else 400, content_type="text/plain")
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return _json(self.plane.server_metadata())
@@ -57,12 +58,14 @@ class HttpHandlers:
         return _json(self.plane.model_metadata(request.match_info["model"], _version(request)))
 
     async def model_ready(self, request: web.Request) -> web.Response:
-        # Real Triton 2.51 answers an unknown or unready model with 400 and an empty body.
+        # Real Triton 2.51 answers an unknown or unready model with 400 and this body (probed).
         try:
             ok = self.plane.model_ready(request.match_info["model"], _version(request))
         except PierError:
             ok = False
-        return _empty(200 if ok else 400)
+        if ok:
+            return web.Response(status=200, content_type="text/plain")
+        return web.Response(status=400, content_type="text/plain", text='{"error":"Model version not ready"}')
 
     async def model_config(self, request: web.Request) -> web.Response:
         return _json(self.plane.model_config_json(request.match_info["model"], _version(request)))
