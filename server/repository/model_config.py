@@ -501,6 +501,8 @@ def _convert(v: Any, fd: Any) -> Any:
         return _int64_as_numbers(v, fd.message_type)
     if fd.type in _INT64_TYPES and isinstance(v, str):
         return int(v)
+    if isinstance(v, float) and v.is_integer():  # as protobuf's C++ JSON printer (Triton's): 1, not 1.0
+        return int(v)
     return v
 
 

@@ -69,6 +69,10 @@ sequence_batching { oldest { max_candidate_sequences: 2 } }
 ''')
     assert [(g.name, g.count) for g in c.instance_group] == [("m", 1)]
     assert list(c.sequence_batching.oldest.preferred_batch_size) == [4]
+    control = c.sequence_batching.control_input.add(name="START")
+    control.control.add(kind=mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START, fp32_false_true=[0.0, 1.5])
+    j = model_config.config_to_json(c)["sequence_batching"]["control_input"][0]["control"][0]
+    assert j["fp32_false_true"] == [0, 1.5] and type(j["fp32_false_true"][0]) is int  # C++ protobuf JSON: 0, not 0.0
 
 
 @pytest.mark.parametrize("text,fragment", [
