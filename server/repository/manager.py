@@ -179,6 +179,9 @@ class RepositoryManager:
         src = sources.get(name)
         if src is None and (override is None or not override.files):
             raise invalid_arg(f"failed to load '{name}': model not found in any model repository")
+        if override is not None and override.files and not override.config_json:  # before any record exists
+            raise invalid_arg(f"failed to load '{name}': model files in a load request need the 'config' "
+                              "parameter too")
         record = self._record(name)
         async with record.lock:
             error = await self._reconcile(record, src, override, force=override is not None, sources=sources,

@@ -126,6 +126,7 @@ def test_load_with_files_in_the_request(server: PierProcess, http, tmp_path: Pat
     assert version == "3" and np.allclose(y, X + 7)
     with pytest.raises(InferenceServerException, match="config"):
         http.load_model("uploaded2", files={"file:1/model.onnx": add_constant_model(1.0)})
+    assert not any(name == "uploaded2" for name, _ in index(server))  # as Triton: no trace of the refused load
     with pytest.raises(InferenceServerException, match="invalid file parameter"):
         http.load_model("uploaded3", config=json.dumps(config), files={"file:1/../../escape.onnx": b"x"})
     http.unload_model("uploaded")
