@@ -56,9 +56,17 @@ class PierServer:
 
     async def start_endpoints(self) -> None:
         s = self.settings
+        metrics = None
+        if s.allow_metrics:
+            renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
+                                       self.manager.traffic, s.allow_cpu_metrics, self.plane.cache)
+
+            async def metrics(request: web.Request) -> web.Response:
+                return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})
+
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size,
-                            restrictions.parse(s.http_restricted_api, "--http-restricted-api"))
+                            restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics)
             await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
@@ -71,13 +79,7 @@ class PierServer:
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")
-        if s.allow_metrics:
-            renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
-                                       self.manager.traffic, s.allow_cpu_metrics, self.plane.cache)
-
-            async def metrics(request: web.Request) -> web.Response:
-                return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})
-
+        if metrics is not None:
             app = web.Application()
             app.router.add_get("/metrics", metrics)
             await self._serve_http(app, s.metrics_address, s.metrics_port)

@@ -114,6 +114,27 @@ def _text(value: Any, name: str) -> str:
 _TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
+def _plain_message(message: Any) -> dict[str, Any]:
+    """A message as string-content chat templates expect it, as vLLM renders them: content given as
+    a list of text parts is their texts joined by newlines, null content is empty, and the
+    `developer` role (OpenAI's newer name) is `system`."""
+    if not isinstance(message, dict):
+        raise ValueError("each message must be an object")
+    out = dict(message)
+    content = out.get("content")
+    if content is None:
+        out["content"] = ""
+    elif isinstance(content, list):
+        texts = [p["text"] for p in content
+                 if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+        if len(texts) != len(content):
+            raise ValueError("message content parts must be text parts ({'type': 'text', 'text': ...})")
+        out["content"] = "\n".join(texts)
+    if out.get("role") == "developer":
+        out["role"] = "system"
+    return out
+
+
 def _render_chat(tokenizer: Any, doc: Any) -> str:
     """chat_messages: a list of messages, or {"messages", "add_generation_prompt",
     "continue_final_message", "chat_template_kwargs"} (the OpenAI frontend's template options).
@@ -130,8 +151,9 @@ def _render_chat(tokenizer: Any, doc: Any) -> str:
         raise ValueError(f"chat_template_kwargs must be an object without {sorted(_TEMPLATE_NAMES)}")
     if add and cont:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    messages = [_plain_message(m) for m in messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, **kwargs)
-    final = messages[-1].get("content") if isinstance(messages[-1], dict) else None
+    final = messages[-1].get("content")
     if cont and isinstance(final, str) and final and (at := text.rfind(final)) >= 0:
         text = text[: at + len(final)]
     return text

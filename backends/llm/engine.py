@@ -306,10 +306,11 @@ class LLMEngine:
         p = seq.params
         reason = None
         past_min = seq.num_output >= p.min_tokens
-        if past_min and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)):
+        eos = not p.ignore_eos and tok in self.eos_ids
+        if past_min and (eos or tok in p.stop_token_ids):
             if p.include_stop_str_in_output:  # as vLLM: a stop token's text is left out by default
                 seq.detok.add(tok)
-            reason, seq.stop_reason = "stop", tok
+            reason, seq.stop_reason = "stop", None if eos else tok  # as vLLM: EOS has no stop_reason
         elif (stop_str := seq.detok.add(tok, check_stop=past_min)) is not None:
             reason, seq.stop_reason = "stop", stop_str
         elif (p.max_tokens is not None and seq.num_output >= p.max_tokens) or len(seq.token_ids) >= self.max_model_len:

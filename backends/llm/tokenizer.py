@@ -126,13 +126,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def flush(self) -> None:
-        """At the end: add text still waiting for the rest of a character (shown as U+FFFD)."""
-        if self.stopped or self.read_offset == len(self.ids):
-            return
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
-        if len(full) > len(prefix):
-            self.text += full[len(prefix) :]
+        """At the end: drop the bytes still waiting for the rest of a character, as vLLM does
+        (a generation cut mid-character ends with the last whole one, not with U+FFFD)."""
         self.prefix_offset = self.read_offset = len(self.ids)
 
     def add(self, token_id: int, check_stop: bool = True) -> str | None:

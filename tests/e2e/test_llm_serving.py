@@ -305,6 +305,36 @@ def test_openai_chat(oai) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_openai_chat_shapes_clients_send(oai, server: PierProcess) -> None:
+    """What the SDK and agent frameworks send, rendered as vLLM renders it: content as text parts,
+    null assistant content, the developer role; `n: null`; no `model` (the one served)."""
+    def prompt_tokens(messages: list, **extra) -> int:
+        return oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=1,
+                                           temperature=0, **extra).usage.prompt_tokens
+
+    plain = prompt_tokens([{"role": "user", "content": "hi\nthere"}])
+    assert prompt_tokens([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                       {"type": "text", "text": "there"}]}]) == plain
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None},
+               {"role": "user", "content": "b"}]
+    assert prompt_tokens(history) == prompt_tokens([{**m, "content": m["content"] or ""} for m in history])
+    assert prompt_tokens([{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]) == \
+        prompt_tokens([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": None, "temperature": 0}
+    r = requests.post(f"{server.base()}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "tiny_llama" and len(r.json()["choices"]) == 1, r.text
+
+
+def test_vllm_probe_endpoints(server: PierProcess) -> None:
+    """vLLM's /health, /ping, /version and /metrics on the API port, for probes and scrape jobs."""
+    assert requests.get(f"{server.base()}/health", timeout=10).status_code == 200
+    assert requests.get(f"{server.base()}/ping", timeout=10).status_code == 200
+    assert requests.post(f"{server.base()}/ping", timeout=10).status_code == 200
+    assert requests.get(f"{server.base()}/version", timeout=10).json()["version"]
+    text = requests.get(f"{server.base()}/metrics", timeout=10).text
+    assert "vllm:num_requests_running" in text and "nv_inference_count" in text
+
+
 def test_openai_errors(oai, server: PierProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="nope"):
         oai.completions.create(model="nope", prompt="x")

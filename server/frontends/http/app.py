@@ -305,8 +305,11 @@ MAX_BODY_BYTES = (1 << 31) - 1
 
 
 def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
-              restricted: restrictions.Rules | None = None) -> web.Application:
-    """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api)."""
+              restricted: restrictions.Rules | None = None,
+              metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None) -> web.Application:
+    """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api);
+    `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
+    scrape jobs written for vLLM work)."""
     middlewares = [error_middleware] + ([restrictions.http_middleware(restricted)] if restricted else [])
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     h = HttpHandlers(plane, control, max_input_size)
@@ -344,6 +347,8 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
         r.add_get(path, h.trace_get)
         r.add_post(path, h.trace_update)
     openai.add_routes(app, plane, max_input_size)
+    if metrics is not None:
+        r.add_get("/metrics", metrics)
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)
     r.add_post(repo_model + "/unload", h.repository_unload)

@@ -93,6 +93,10 @@ class OpenAIHandlers:
 
     def _check_model(self, name: Any) -> str:
         models = self._llm_models()
+        if name is None and len(models) == 1:  # as vLLM: the model is optional when one is served
+            return models[0]
+        if name is None and models:
+            raise _BadRequest(f"'model' is required: this server serves {', '.join(models)}.", "model")
         if not isinstance(name, str) or name not in models:
             raise _BadRequest(f"The model `{name}` does not exist. Models served here: {', '.join(models) or 'none'}.",
                               "model", 404)
@@ -134,7 +138,9 @@ class OpenAIHandlers:
                 raise _BadRequest("stream_options can only be set when stream is true.", "stream_options")
             if not isinstance(doc["stream_options"], dict):
                 raise _BadRequest("stream_options must be an object.", "stream_options")
-        n = doc.get("n", 1)
+        n = doc.get("n")
+        if n is None:  # absent or null (the SDK's n=None): one choice
+            n = 1
         if isinstance(n, bool) or not isinstance(n, int):
             raise _BadRequest(f"n must be an integer, got {n!r}.", "n")
         if n < 1:
@@ -410,6 +416,19 @@ class OpenAIHandlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, chat=False)
 
+    # vLLM's server probes, for health checks written against it
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            ready = self.plane.ready()
+        except PierError:  # exiting
+            ready = False
+        return web.Response(status=200 if ready else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        from server import __version__
+
+        return web.Response(body=orjson.dumps({"version": __version__}), content_type="application/json")
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, chat=True)
 
@@ -547,3 +566,7 @@ def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> No
         app.router.add_get("/v1/models" + slash, h.models)
         app.router.add_post("/v1/completions" + slash, h.completions)
         app.router.add_post("/v1/chat/completions" + slash, h.chat_completions)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/ping", h.health)
+    app.router.add_post("/ping", h.health)
+    app.router.add_get("/version", h.version)

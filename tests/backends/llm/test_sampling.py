@@ -77,6 +77,26 @@ def test_n_with_partial_block_copy_on_write(llama_dir, prompts):
     eng.kv.check()
 
 
+def test_eos_stops_with_no_stop_reason(llama_dir, prompts):
+    """As vLLM: EOS finishes with stop_reason None (a stop token id names itself), even when the
+    stop_token_ids list holds the EOS id too."""
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    eos = sorted(eng.eos_ids)[0]
+    for stop_ids in ((), (eos,)):
+        eng.add_request("e", prompts[0], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100},
+                                                        stop_token_ids=stop_ids))
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason is None, stop_ids
+    eng.add_request("i", prompts[0], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100},
+                                                    stop_token_ids=[eos], ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].stop_reason == eos  # with ignore_eos it stops as a stop token
+
+
 def test_stop_token_ids_eos_and_max_tokens(llama_dir, prompts):
     eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
     greedy = eng.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0][0]

@@ -99,3 +99,33 @@ def test_chat_template_options(tok):
         _render_chat(tok, {"messages": msgs, "continue_final_message": True})
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         _render_chat(tok, {"messages": msgs, "chat_template_kwargs": {"messages": []}})
+
+
+def test_chat_content_parts_null_content_and_developer_role(tok):
+    """As vLLM renders them for a string-content template: text parts joined by newlines, null
+    content empty, the developer role as system (the SDK and agent frameworks send all three)."""
+    from backends.llm.backend import _render_chat
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    assert _render_chat(tok, parts) == _render_chat(tok, [{"role": "user", "content": "hi\nthere"}])
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+               {"role": "user", "content": "x"}]
+    assert "None" not in _render_chat(tok, history)
+    assert _render_chat(tok, history) == _render_chat(tok, [{**m, "content": m["content"] or ""} for m in history])
+    dev = _render_chat(tok, [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert dev == _render_chat(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="text parts"):
+        _render_chat(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_a_character_cut_at_the_end_is_dropped(tok):
+    """As vLLM: a generation that ends mid-character (max_tokens) ends with the last whole one."""
+    ids = tok.encode("ab 🙂", add_special_tokens=False)
+    whole = tok.encode("ab ", add_special_tokens=False)
+    assert len(ids) > len(whole) + 1 and "\ufffd" in tok.decode(ids[:-1])  # the emoji spans several tokens
+    detok = IncrementalDetokenizer(tok, [0])
+    for i in ids[:-1]:
+        detok.add(i)
+    detok.flush()
+    text = detok.take(finished=True)
+    assert "\ufffd" not in text and text == tok.decode(whole)
