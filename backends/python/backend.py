@@ -61,6 +61,7 @@ class PythonInstance(ModelInstance):
         self._spec = ctx.spec
         self._decoupled = ctx.spec.decoupled
         self._out_types = {t.name: t.datatype for t in ctx.spec.outputs}
+        self._out_names = list(self._out_types)
         self._loop: asyncio.AbstractEventLoop | None = None
         path = ctx.model_path
         if not path.is_file():
@@ -110,12 +111,14 @@ class PythonInstance(ModelInstance):
         if error is not None:
             return error_of(error)
         try:
-            return [to_pier_tensor(t, self._out_types.get(t.name())) for t in response.output_tensors()]
+            # as Triton: a tensor the config does not declare is not part of the response
+            return [to_pier_tensor(t, self._out_types[t.name()]) for t in response.output_tensors()
+                    if t.name() in self._out_types]
         except Exception as exc:
             return internal(f"python model '{self._spec.name}' returned an unusable tensor: {exc}")
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
-        pb_requests = [to_pb_request(r) for r in requests]
+        pb_requests = [to_pb_request(r, self._out_names) for r in requests]
         for r in pb_requests:
             r._to_result = self._to_result
         try:

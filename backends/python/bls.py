@@ -3,6 +3,7 @@ and the requests a Python model executes)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,18 +52,24 @@ def to_server_request(r: pb_utils.InferenceRequest) -> InferenceRequest:
                             parameters=params)
 
 
-def to_pb_request(request: InferenceRequest) -> pb_utils.InferenceRequest:
-    """A request a Python model executes."""
+# Request parameters the frontends and schedulers consume: Triton does not hand them to the model.
+_PROTOCOL_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
+                                  "binary_data_output", "triton_enable_empty_final_response"})
+
+
+def to_pb_request(request: InferenceRequest, all_outputs: Sequence[str] = ()) -> pb_utils.InferenceRequest:
+    """A request a Python model executes. As Triton: a request that names no outputs requests them
+    all (`all_outputs`, the config's), and protocol parameters are not the model's."""
     params = {k: v for k, v in request.parameters.items()}
     out = pb_utils.InferenceRequest(
         request.model_name, [pb_utils.Tensor(t.name, t.data) for t in request.inputs],
-        request.output_names(), correlation_id=params.get("sequence_id", 0), request_id=request.id,
+        request.output_names() or list(all_outputs), correlation_id=params.get("sequence_id", 0),
+        request_id=request.id,
         flags=(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if params.get("sequence_start") else 0)
         | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0),
         timeout=int(params.get("timeout", 0) or 0),
         model_version=int(request.model_version) if request.model_version.isdigit() else -1,
-        parameters={k: v for k, v in params.items()
-                    if k not in ("sequence_id", "sequence_start", "sequence_end", "timeout", "priority")})
+        parameters={k: v for k, v in params.items() if k not in _PROTOCOL_PARAMETERS})
     out._server_request = request
     return out
 

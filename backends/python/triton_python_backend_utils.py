@@ -195,9 +195,10 @@ class InferenceRequest:
                  request_id: str = "", flags: int = 0, timeout: int = 0, model_version: int = -1,
                  preferred_memory: Any = None, trace: Any = None,
                  parameters: dict[str, Any] | str | None = None) -> None:
-        self._model_name = model_name
+        # as Triton, names may be bytes (e.g. a BYTES tensor's element): they are UTF-8 text
+        self._model_name = model_name.decode() if isinstance(model_name, bytes) else model_name
         self._inputs = list(inputs or [])
-        self._requested = list(requested_output_names or [])
+        self._requested = [n.decode() if isinstance(n, bytes) else n for n in requested_output_names or []]
         self._correlation_id = correlation_id
         self._request_id = request_id
         self._flags = flags

@@ -62,6 +62,22 @@ def test_bls_calls_simple(server: PierProcess, mod) -> None:
     assert stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 1  # went through `simple`
 
 
+def test_request_arguments_as_triton_hands_them(server: PierProcess) -> None:
+    """As Triton: no requested outputs means all of them; tritonclient's own binary_data_output is
+    not a model parameter; a BLS model name given as bytes is text; undeclared outputs are dropped."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    inp = httpclient.InferInput("MODEL", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
+    result = client.infer("request_args_py", [inp], parameters={"p": 1})
+    args = json.loads(result.as_numpy("ARGS")[0])
+    assert args == {"requested": ["ARGS", "SUM"], "parameters": {"p": 1}}, args
+    assert np.array_equal(result.as_numpy("SUM"), 2 * np.arange(16, dtype=np.int32).reshape(1, 16))
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["ARGS", "SUM"]
+    out = httpclient.InferRequestedOutput("ARGS")
+    args = json.loads(client.infer("request_args_py", [inp], outputs=[out]).as_numpy("ARGS")[0])
+    assert args["requested"] == ["ARGS"]
+
+
 def test_async_bls(server: PierProcess) -> None:
     client = httpclient.InferenceServerClient(server.http_url)
     a, b = np.array([1, 2, 3, 4], np.float32), np.array([9, 9, 9, 9], np.float32)
