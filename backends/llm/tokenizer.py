@@ -126,8 +126,15 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def flush(self) -> None:
-        """At the end: drop the bytes still waiting for the rest of a character, as vLLM does
-        (a generation cut mid-character ends with the last whole one, not with U+FFFD)."""
+        """At the end: add the text still held back, less the bytes waiting for the rest of a
+        character (a generation cut mid-character ends with its last whole one, as vLLM's does,
+        not with U+FFFD)."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip).rstrip("\ufffd")
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.ids)
 
     def add(self, token_id: int, check_stop: bool = True) -> str | None:

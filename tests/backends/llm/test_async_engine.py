@@ -52,7 +52,7 @@ def test_concurrent_streams_match_sync(aengine, prompts, reference):
         last = outs[-1]
         assert last.finished and last.finish_reason == "length" and last.completion_tokens == 24
         assert last.prompt_tokens > 0 and last.metrics is not None and last.metrics.first_token_time is not None
-        assert text == aengine.tokenizer.decode(ref)
+        assert text == aengine.tokenizer.decode(ref).rstrip("\ufffd")  # a character cut at the end is dropped
     _wait_idle(aengine)
     stats = aengine.stats()
     assert stats.generation_tokens == 24 * len(prompts)
