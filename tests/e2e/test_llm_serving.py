@@ -386,13 +386,19 @@ def test_openai_errors(oai, server: PierProcess) -> None:
     for body, fragment in (({"prompt": [2**63]}, "token id 9223372036854775808 in prompt is out of range"),
                            ({"prompt": "x", "stream": 5}, "stream must be a boolean"),
                            ({"prompt": "x", "echo": "maybe"}, "echo must be a boolean"),
-                           ({"prompt": "x", "n": "2"}, "n must be an integer")):
+                           ({"prompt": "x", "n": "two"}, "n must be an integer")):
         r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llama", "max_tokens": 2, **body},
                           timeout=60)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
     r = requests.post(f"{server.base()}/v1/completions", timeout=60,  # lax booleans, as vLLM's pydantic reads them
                       json={"model": "tiny_llama", "prompt": "x", "max_tokens": 2, "stream": "false", "echo": 1})
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("x"), r.text
+    r = requests.post(f"{server.base()}/v1/completions", timeout=60,  # lax ints too: digit strings, bools
+                      json={"model": "tiny_llama", "prompt": "x", "max_tokens": "3", "logprobs": True,
+                            "temperature": 0, "ignore_eos": True})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    assert len(choice["logprobs"]["tokens"]) == 3 and len(choice["logprobs"]["top_logprobs"][0]) == 1
     r = requests.post(f"{server.base()}/v1/completions", data=b'{"model":"tiny_llama","prompt":"\\ud800"}',
                       headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "failed to parse" in r.json()["error"]["message"], r.text

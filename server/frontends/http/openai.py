@@ -69,6 +69,21 @@ def _lax_bool(doc: dict[str, Any], key: str) -> None:
         raise _BadRequest(f"{key} must be a boolean, got {value!r}.", key)
 
 
+_INTS = ("max_tokens", "max_completion_tokens", "n", "top_logprobs", "seed", "top_k", "min_tokens")
+
+
+def _lax_int(doc: dict[str, Any], key: str) -> None:
+    """Read `doc[key]` (when set) as vLLM's pydantic models read an int in lax mode: a bool, a
+    whole float or a string of digits counts; anything else is left for the field's own check."""
+    value = doc.get(key)
+    if isinstance(value, bool):
+        doc[key] = int(value)
+    elif isinstance(value, float) and value.is_integer():
+        doc[key] = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit() and value.strip().isascii():
+        doc[key] = int(value.strip())
+
+
 def _bool_tensor(name: str, value: bool) -> Tensor:
     return Tensor(name, "BOOL", [1], np.array([value]))
 
@@ -116,6 +131,8 @@ class OpenAIHandlers:
 
     @staticmethod
     def _sampling(doc: dict[str, Any], chat: bool) -> tuple[dict[str, Any], int | None]:
+        for key in _INTS if chat else (*_INTS, "logprobs"):  # chat's logprobs is a boolean
+            _lax_int(doc, key)
         out = {k: doc[k] for k in _SAMPLING if doc.get(k) is not None}
         max_tokens = doc.get("max_completion_tokens") if chat else None
         if max_tokens is None:
