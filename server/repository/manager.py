@@ -205,9 +205,17 @@ class RepositoryManager:
             dependents, record.dependents = record.dependents, set()
             self._refresh_routes(record)
         log.info("unloading '%s'", name)
+        # As Triton: an ensemble that composes this model cannot serve without it, so it goes too.
+        for other in sorted(self._ensembles_using(name)):
+            await self.unload(other)
         if unload_dependents:
             for dep in sorted(dependents):
                 await self.unload(dep, unload_dependents=True)
+
+    def _ensembles_using(self, name: str) -> set[str]:
+        """Models with a READY version that is an ensemble composing `name`."""
+        return {r.name for r in self._models.values() if r.name != name
+                and any(name in dependencies(m.config) for m in r.ready().values())}
 
     async def load_version(self, name: str, version: int) -> None:
         """Serve `version` beside what serves now: the versions serving stay (pinned, as if loaded

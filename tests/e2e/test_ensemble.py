@@ -128,6 +128,11 @@ def test_explicit_mode_loads_composing_models(tmp_path: Path) -> None:
         client.unload_model("graph", unload_dependents=True)
         assert not client.is_model_ready("simple")  # routing stops at once; the drain follows
         wait_for(lambda: index(server)[("simple", "1")] == ("UNAVAILABLE", "unloaded"), what="simple unloaded")
+        # as Triton: unloading a composing model unloads the ensembles that compose it
+        client.load_model("graph")
+        client.unload_model("simple")
+        assert not client.is_model_ready("simple") and not client.is_model_ready("graph")
+        wait_for(lambda: index(server)[("graph", "1")] == ("UNAVAILABLE", "unloaded"), what="graph unloaded")
     finally:
         assert server.stop() == 0
 
