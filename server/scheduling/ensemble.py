@@ -105,6 +105,10 @@ def build_plan(config: mc.ModelConfig, spec: ModelSpec, lookup: SpecLookup) -> E
             if not _dims_agree(dims, want.dims):
                 raise fail(f"{step.label}: input '{model_input}' expects dims {list(want.dims)} but tensor "
                            f"'{tensor}' from {who} has dims {list(dims)}")
+    read = {tensor for step in steps for _, tensor in step.inputs}
+    for t in spec.inputs:  # as Triton, which refuses such an ensemble
+        if t.name not in read:
+            raise fail(f"ensemble input '{t.name}' is not used by any step")
     outputs = []
     for t in spec.outputs:
         if t.name not in produced or produced[t.name][0] == "the ensemble input":

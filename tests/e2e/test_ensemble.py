@@ -70,6 +70,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     write_ensemble(repo, "missing_tensor", graph("missing_tensor", second_input="nowhere"))
     write_ensemble(repo, "twice", graph("twice", sum_name="diff"))
     write_ensemble(repo, "cycle", CYCLE)
+    write_ensemble(repo, "unused_input", graph("unused_input").replace(
+        '{ name: "B" data_type: TYPE_INT32 dims: [ 16 ] } ]',
+        '{ name: "B" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "C" data_type: TYPE_INT32 dims: [ 16 ] } ]'))
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=repo.parent / "p.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -93,6 +96,7 @@ def test_ensemble_graph_runs(server: PierProcess, mod) -> None:
     ("missing_tensor", ["step 2 (model 'simple')", "input 'INPUT1'", "tensor 'nowhere'"]),
     ("twice", ["tensor 'diff' is produced more than once", "step 1 (model 'simple')"]),
     ("cycle", ["cycle", "step 1 (model 'simple')", "tensor 'y'"]),
+    ("unused_input", ["ensemble input 'C' is not used by any step"]),
 ])
 def test_invalid_ensembles_fail_to_load_naming_step_and_tensor(server: PierProcess, model: str,
                                                                  words: list[str]) -> None:
