@@ -105,7 +105,9 @@ def complete_config(
     oldest = out.sequence_batching.oldest if out.sequence_batching.HasField("oldest") else None
     if oldest is not None and not oldest.preferred_batch_size and out.max_batch_size > 0:
         oldest.preferred_batch_size.append(out.max_batch_size)  # as Triton's dynamic_batching default
-    if not out.HasField("optimization"):
+    if entry is backend_registry.ENSEMBLE:  # as Triton's /config of an ensemble: the policy, no optimization
+        out.model_transaction_policy.SetInParent()
+    elif not out.HasField("optimization"):
         out.optimization.input_pinned_memory.enable = True
         out.optimization.output_pinned_memory.enable = True
     validate_config(out, source)

@@ -89,6 +89,9 @@ def test_ensemble_graph_runs(server: PierProcess, mod) -> None:
     assert np.array_equal(result.as_numpy("DOUBLE_SUM"), 2 * (a + b))
     meta = client.get_model_metadata("graph")
     assert (meta["platform"] if mod is httpclient else meta.platform) == "ensemble"
+    if mod is httpclient:  # Triton's /config of an ensemble: its transaction policy, no optimization section
+        config = client.get_model_config("graph")
+        assert config["model_transaction_policy"] == {"decoupled": False} and "optimization" not in config
 
 
 @pytest.mark.parametrize("model, words", [
