@@ -56,6 +56,13 @@ class PlaneServices:
 
     async def infer_stream_async(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse | PierError]:
         caller = asyncio.get_running_loop()
+        if caller is self._loop:  # on the server's loop: closing this iterator cancels the request
+            try:
+                async for item in self._plane.infer_stream(request):
+                    yield item
+            except PierError as exc:
+                yield exc
+            return
         items: asyncio.Queue[Any] = asyncio.Queue()
 
         def put(item: Any) -> None:

@@ -627,8 +627,13 @@ class RepositoryManager:
             spec = self._inherit_labels(spec, plan)
         except PierError as exc:
             return exc.message
+        if plan.decoupled and not config.model_transaction_policy.decoupled:  # as Triton marks such an ensemble
+            config = mc.ModelConfig.FromString(config.SerializeToString())
+            config.model_transaction_policy.decoupled = True
+            spec = dataclasses.replace(spec, decoupled=True, config_json=model_config.config_to_json(config))
         stats = ModelStatistics.create(self._keep_recent)
-        return LoadedModel(spec, config, version, EnsembleScheduler(plan, self.services.infer_async, stats), stats)
+        scheduler = EnsembleScheduler(plan, self.services.infer_async, stats, self.services.infer_stream_async)
+        return LoadedModel(spec, config, version, scheduler, stats)
 
     def _inherit_labels(self, spec: ModelSpec, plan: EnsemblePlan) -> ModelSpec:
         """An ensemble output without a label_filename classifies with the labels of the composing

@@ -7,18 +7,21 @@ A step with `model_version: -1` calls whatever version the composing model route
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from backends.base import ExecuteResult
-from server.errors import PierError, invalid_arg, unavailable
+from server.errors import PierError, internal, invalid_arg, unavailable
 from server.protocol import model_config_pb2 as mc
 from server.scheduling.base import Scheduler, WorkItem
 from server.statistics import ModelStatistics
 from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
+Stream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse | PierError]]
 SpecLookup = Callable[[str, str], ModelSpec]  # (model, version or "") -> spec; raises PierError
 
 
@@ -29,6 +32,7 @@ class Step:
     version: str  # "" = the version the model routes to when the request runs
     inputs: tuple[tuple[str, str], ...]  # (model input, ensemble tensor)
     outputs: tuple[tuple[str, str], ...]  # (model output, ensemble tensor)
+    decoupled: bool = False  # the model answers with any number of responses
 
     @property
     def label(self) -> str:
@@ -40,6 +44,11 @@ class EnsemblePlan:
     name: str
     steps: tuple[Step, ...]
     outputs: tuple[tuple[str, str], ...]  # (ensemble output, datatype)
+
+    @property
+    def decoupled(self) -> bool:
+        """A decoupled step makes the ensemble decoupled, as in Triton."""
+        return any(s.decoupled for s in self.steps)
 
 
 def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -71,6 +80,8 @@ def build_plan(config: mc.ModelConfig, spec: ModelSpec, lookup: SpecLookup) -> E
             m = lookup(step.model, step.version)
         except PierError as exc:
             raise fail(f"{step.label}: the model is not available: {exc.message}") from None
+        if m.decoupled:
+            step = dataclasses.replace(step, decoupled=True)
         if spec.max_batch_size > 0 and m.max_batch_size == 0:
             raise fail(f"{step.label}: the ensemble batches (max_batch_size {spec.max_batch_size}) but the model "
                        "does not (max_batch_size 0)")
@@ -144,9 +155,10 @@ def _check_acyclic(steps: list[Step], fail: Callable[[str], PierError]) -> None:
 
 
 class EnsembleScheduler(Scheduler):
-    def __init__(self, plan: EnsemblePlan, infer: Infer, stats: ModelStatistics) -> None:
+    def __init__(self, plan: EnsemblePlan, infer: Infer, stats: ModelStatistics, stream: Stream | None = None) -> None:
         self._plan = plan
         self._infer = infer
+        self._stream = stream
         self._stats = stats
         self._inflight = 0
         self._stopping = False
@@ -160,7 +172,7 @@ class EnsembleScheduler(Scheduler):
         self._idle.clear()
         start = time.perf_counter_ns()
         try:
-            result = await self._run(item.request)
+            result = await (self._run_decoupled(item.request) if self._plan.decoupled else self._run(item.request))
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -205,6 +217,75 @@ class EnsembleScheduler(Scheduler):
         if missing:
             return invalid_arg(f"ensemble '{self._plan.name}': output '{missing[0]}' was not produced")
         return [tensors[name] for name, _ in self._plan.outputs]
+
+    def _failed(self, step: Step, exc: PierError) -> PierError:
+        return PierError(exc.code, f"ensemble '{self._plan.name}' {step.label} failed: {exc.message}")
+
+    @staticmethod
+    def _take_outputs(step: Step, response: InferenceResponse, tensors: dict[str, Tensor]) -> None:
+        by_name = {t.name: t for t in response.outputs}
+        for model_output, tensor in step.outputs:
+            out = by_name.get(model_output)
+            if out is not None:
+                tensors[tensor] = Tensor(tensor, out.datatype, list(out.shape), out.data)
+
+    async def _run_decoupled(self, request: InferenceRequest) -> ExecuteResult:
+        """An ensemble with decoupled steps streams, as Triton's does: each response of a decoupled
+        step carries on through the steps after it, and every time the ensemble's outputs are all
+        produced they go out as one response (through the request's response sink, which the
+        data plane set); the final flag follows the last."""
+        sink = request.response_sink
+        if sink is None or self._stream is None:
+            return internal(f"ensemble '{self._plan.name}' has decoupled steps: it answers through a stream")
+        error = await self._branch(request, {t.name: t for t in request.inputs}, list(self._plan.steps), sink)
+        if error is not None:
+            return error
+        sink([], True)
+        return []
+
+    async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], waiting: list[Step],
+                      sink: Any) -> PierError | None:
+        assert self._stream is not None
+        """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
+        decoupled step, one branch per response."""
+        while ready := [s for s in waiting if not s.decoupled and all(t in tensors for _, t in s.inputs)]:
+            for step in ready:
+                waiting.remove(step)
+            results = await asyncio.gather(*(self._infer(self._step_request(s, request, tensors)) for s in ready),
+                                           return_exceptions=True)
+            for step, result in zip(ready, results):
+                if isinstance(result, PierError):
+                    return self._failed(step, result)
+                if isinstance(result, BaseException):
+                    raise result
+                self._take_outputs(step, result, tensors)
+        fork = next((s for s in waiting if all(t in tensors for _, t in s.inputs)), None)
+        if fork is None:
+            missing = [name for name, _ in self._plan.outputs if name not in tensors]
+            if missing or waiting:
+                what = f"output '{missing[0]}' was not produced" if missing else \
+                    f"{waiting[0].label} never received its inputs"
+                return invalid_arg(f"ensemble '{self._plan.name}': {what}")
+            sink([tensors[name] for name, _ in self._plan.outputs], False)
+            return None
+        waiting.remove(fork)
+        stream = self._stream(self._step_request(fork, request, tensors))
+        try:
+            async for item in stream:
+                if isinstance(item, PierError):
+                    return self._failed(fork, item)
+                if not item.outputs:  # the step's flag-only final response
+                    continue
+                branch = dict(tensors)
+                self._take_outputs(fork, item, branch)
+                error = await self._branch(request, branch, list(waiting), sink)
+                if error is not None:
+                    return error
+        finally:
+            close = getattr(stream, "aclose", None)  # an async generator: closing it cancels the step
+            if close is not None:
+                await close()
+        return None
 
     @staticmethod
     def _step_request(step: Step, request: InferenceRequest, tensors: dict[str, Tensor]) -> InferenceRequest:

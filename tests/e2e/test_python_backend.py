@@ -24,11 +24,27 @@ from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, numpy_inputs, start_
 PY_MODELS = ROOT / "tests" / "python_models"
 
 
+# An ensemble with a decoupled step (Triton marks it decoupled): each response of square_int32
+# goes on through double_int32 and out as one ensemble response.
+SQUARE_DOUBLE = """name: "square_double"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "DOUBLED" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "square_int32" input_map { key: "IN" value: "N" } output_map { key: "OUT" value: "n" } },
+  { model_name: "double_int32" input_map { key: "IN" value: "n" } output_map { key: "OUT" value: "DOUBLED" } }
+] }
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     repo = tmp_path_factory.mktemp("py") / "repo"
     shutil.copytree(PY_MODELS, repo)
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    (repo / "square_double" / "1").mkdir(parents=True)
+    (repo / "square_double" / "config.pbtxt").write_text(SQUARE_DOUBLE)
     proc = start_pier([repo], log_path=repo.parent / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -107,6 +123,38 @@ def test_decoupled_model_streams_over_grpc(server: PierProcess) -> None:
             got[response.id].append(int(result.as_numpy("OUT")[0]))
     client.stop_stream()
     assert got == {"three": [3, 3, 3], "five": [5, 5, 5, 5, 5]}
+
+
+def test_ensemble_with_a_decoupled_step_streams(server: PierProcess) -> None:
+    """As Triton: the ensemble is decoupled (config, and plain infer refused); over a gRPC stream
+    each response of the decoupled step comes out through the step after it, then the final flag."""
+    http = httpclient.InferenceServerClient(server.http_url)
+    assert http.get_model_config("square_double")["model_transaction_policy"] == {"decoupled": True}
+    inp = httpclient.InferInput("N", [1], "INT32")
+    inp.set_data_from_numpy(np.array([2], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        http.infer("square_double", [inp])
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    for n in (3, 0):
+        g = grpcclient.InferInput("N", [1], "INT32")
+        g.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer("square_double", [g], request_id=f"n{n}", enable_empty_final_response=True)
+    got: dict[str, list[int]] = {"n3": [], "n0": []}
+    finals: set[str] = set()
+    while len(finals) < 2:
+        result, error = answers.get(timeout=30)
+        assert error is None, error
+        response = result.get_response()
+        if response.outputs:
+            got[response.id].append(int(result.as_numpy("DOUBLED")[0]))
+        if response.parameters["triton_final_response"].bool_param:
+            finals.add(response.id)
+    client.stop_stream()
+    assert got == {"n3": [6, 6, 6], "n0": []}
+    stats = http.get_inference_statistics("double_int32")["model_stats"][0]
+    assert stats["inference_count"] == 3  # the step after the decoupled one ran once per response
 
 
 def test_decoupled_model_refuses_plain_infer(server: PierProcess) -> None:
