@@ -272,6 +272,8 @@ class EnsembleScheduler(Scheduler):
         stream = self._stream(self._step_request(fork, request, tensors))
         try:
             async for item in stream:
+                if request.cancelled:  # the client went away: closing the step's stream cancels it
+                    return unavailable(f"ensemble '{self._plan.name}': the request was cancelled")
                 if isinstance(item, PierError):
                     return self._failed(fork, item)
                 if not item.outputs:  # the step's flag-only final response

@@ -9,6 +9,7 @@ import json
 import queue
 import shutil
 import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -155,6 +156,28 @@ def test_ensemble_with_a_decoupled_step_streams(server: PierProcess) -> None:
     assert got == {"n3": [6, 6, 6], "n0": []}
     stats = http.get_inference_statistics("double_int32")["model_stats"][0]
     assert stats["inference_count"] == 3  # the step after the decoupled one ran once per response
+
+
+def test_a_cancelled_ensemble_stream_stops_its_decoupled_step(server: PierProcess) -> None:
+    http = httpclient.InferenceServerClient(server.http_url)
+
+    def doubled() -> int:
+        return http.get_inference_statistics("double_int32")["model_stats"][0]["inference_count"]
+
+    before = doubled()
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    g = grpcclient.InferInput("N", [1], "INT32")
+    g.set_data_from_numpy(np.array([500], dtype=np.int32))  # 500 responses, 10 ms apart
+    client.async_stream_infer("square_double", [g])
+    for _ in range(2):
+        assert answers.get(timeout=30)[1] is None
+    client.stop_stream(cancel_requests=True)
+    time.sleep(1.0)
+    settled = doubled()
+    time.sleep(0.5)
+    assert doubled() == settled and settled - before < 200, (before, settled)
 
 
 def test_decoupled_model_refuses_plain_infer(server: PierProcess) -> None:
