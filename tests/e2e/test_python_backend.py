@@ -156,6 +156,10 @@ def test_ensemble_with_a_decoupled_step_streams(server: PierProcess) -> None:
     assert got == {"n3": [6, 6, 6], "n0": []}
     stats = http.get_inference_statistics("double_int32")["model_stats"][0]
     assert stats["inference_count"] == 3  # the step after the decoupled one ran once per response
+    # and over HTTP with Triton's generate_stream (server-sent events)
+    r = requests.post(f"{server.base()}/v2/models/square_double/generate_stream", json={"N": 2}, timeout=30)
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert r.status_code == 200 and [e["DOUBLED"] for e in events if "DOUBLED" in e] == [4, 4], r.text
 
 
 def test_a_cancelled_ensemble_stream_stops_its_decoupled_step(server: PierProcess) -> None:
