@@ -196,6 +196,7 @@ class RepositoryManager:
         if record is None:
             return
         async with record.lock:
+            composing = {d for m in record.ready().values() for d in dependencies(m.config)}
             for v in list(record.versions):
                 self._retire(record, v)
             record.pinned.clear()
@@ -209,8 +210,11 @@ class RepositoryManager:
         for other in sorted(self._ensembles_using(name)):
             await self.unload(other)
         if unload_dependents:
-            for dep in sorted(dependents):
-                await self.unload(dep, unload_dependents=True)
+            # As Triton: the models this ensemble composes (or whose load it started) go too,
+            # unless another loaded ensemble still uses them.
+            for dep in sorted(dependents | composing):
+                if not self._ensembles_using(dep):
+                    await self.unload(dep, unload_dependents=True)
 
     def _ensembles_using(self, name: str) -> set[str]:
         """Models with a READY version that is an ensemble composing `name`."""

@@ -126,6 +126,7 @@ def test_explicit_mode_loads_composing_models(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     write_ensemble(repo, "graph", graph("graph"))
+    write_ensemble(repo, "graph2", graph("graph2"))
     server = start_pier([repo], "--model-control-mode=explicit", log_path=tmp_path / "e.log")
     try:
         client = httpclient.InferenceServerClient(server.http_url)
@@ -135,6 +136,17 @@ def test_explicit_mode_loads_composing_models(tmp_path: Path) -> None:
         client.unload_model("graph", unload_dependents=True)
         assert not client.is_model_ready("simple")  # routing stops at once; the drain follows
         wait_for(lambda: index(server)[("simple", "1")] == ("UNAVAILABLE", "unloaded"), what="simple unloaded")
+        # as Triton: unload_dependents leaves a composing model another loaded ensemble uses, and
+        # unloads it with the last one (whichever load started it)
+        client.load_model("graph")
+        client.load_model("graph2")
+        client.unload_model("graph", unload_dependents=True)
+        assert client.is_model_ready("simple") and client.is_model_ready("graph2")
+        client.load_model("graph")
+        client.unload_model("graph2", unload_dependents=True)
+        assert client.is_model_ready("simple")
+        client.unload_model("graph", unload_dependents=True)
+        assert not client.is_model_ready("simple")
         # as Triton: unloading a composing model unloads the ensembles that compose it
         client.load_model("graph")
         client.unload_model("simple")
