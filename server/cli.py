@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from server import __version__
-from server.settings import GrpcSsl, Settings
+from server.settings import SERVER_NAME, GrpcSsl, Settings
 
 
 def _bool(value: str) -> bool:
@@ -63,7 +63,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="accepted for tritonserver compatibility (no GPU metrics are exported)")
     flag("--metrics-interval-ms", type=int, default=2000,
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
-    flag("--id", default="triton", help="server name reported in server metadata (Triton's default: its client "
+    flag("--id", default=SERVER_NAME, help="server name reported in server metadata (Triton's default: its client "
          "examples check it; --id pier names Pier)")
     flag("--model-config-name", default="", metavar="NAME",
          help="use <model>/configs/NAME.pbtxt instead of config.pbtxt where a model has one")

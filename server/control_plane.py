@@ -44,7 +44,7 @@ class ControlPlane:
 
     async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Triton's load: `config` (ModelConfig JSON, replaces config.pbtxt) and
-        `file:<version>/<path>` (file contents as bytes) parameters; others are refused."""
+        `file:<path>` (file contents as bytes, inside the model folder) parameters; others are refused."""
         self._require(("explicit",))
         _check_name(name)
         override = None
@@ -63,8 +63,11 @@ class ControlPlane:
                     override.files[key[len(FILE_PREFIX):]] = value
                 else:
                     raise invalid_arg(f"unexpected load parameter '{key}': expected 'config' or "
-                                      "'file:<version>/<name>'")
-            if not override.config_json and not override.files:
+                                      "'file:<path>'")
+            if override.files and not override.config_json:
+                raise invalid_arg(f"failed to load '{name}': model files in a load request need the 'config' "
+                                  "parameter too")
+            if not override.config_json:
                 override = None
         await _to_the_end(self._manager.load(name, override))
 

@@ -16,12 +16,11 @@ from server.repository.manager import RepositoryManager
 from server.repository.source import is_version
 from server.response_cache import ResponseCache
 from server.scheduling.base import WorkItem
+from server.settings import SERVER_NAME
 from server.shared_memory import SystemSharedMemory
 from server.tracing import Trace, Tracer
 from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from server.validation import to_api_outputs, validate_request
-
-SERVER_NAME = "triton"  # Triton's --id default: its own client examples check the name
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("classification", "sequence", "model_repository", "model_repository(unload_dependents)",

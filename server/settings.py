@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SERVER_NAME = "triton"  # --id's default, Triton's: its own client examples check the name
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -37,7 +39,7 @@ class Settings:
     metrics_config: tuple[str, ...] = ()  # "key=value" items, as tritonserver's --metrics-config
     trace_config: tuple[str, ...] = ()  # "[triton,]key=value" items, as tritonserver's --trace-config
     allow_cpu_metrics: bool = True
-    server_id: str = "triton"  # --id: the name server metadata reports (Triton's default)
+    server_id: str = SERVER_NAME  # --id: the name server metadata reports
     model_config_name: str = ""  # --model-config-name: use configs/<name>.pbtxt where a model has it
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False

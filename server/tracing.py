@@ -145,8 +145,8 @@ class Tracer:
                 checked[key] = None if value is None or value == [] else _check(key, value)
         if "trace_file" in checked:  # Triton 2.51 refuses the key whatever its value
             raise PierError(ErrorCode.UNSUPPORTED, "trace file location can not be updated through network protocol")
-        level = checked.get("trace_level") or self.settings(model)["trace_level"]
-        if level != ["OFF"] and not self.settings(model)["trace_file"]:
+        current = self.settings(model)
+        if (checked.get("trace_level") or current["trace_level"]) != ["OFF"] and not current["trace_file"]:
             raise invalid_arg("Attempting to set invalid trace setting :trace file name is not given")
         if model:
             if model not in self._models:  # as Triton: a model's override counts its own traces

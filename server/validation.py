@@ -108,7 +108,7 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         if ts is None:  # Triton's wording has no request id here
             raise invalid_arg(f"unexpected inference input '{name}' for model '{spec.name}'")
         if name in seen:
-            raise invalid_arg(f"{request_prefix(request)}input '{name}' already exists in request")
+            raise _duplicate(request, name)
         seen.add(name)
         if tensor.datatype != ts.datatype:
             raise invalid_arg(
@@ -120,8 +120,6 @@ def validate_request(spec: ModelSpec, request: InferenceRequest) -> int:
         b = _check_shape(spec, plan.batching, ts, tensor, request)
         if batch is None:
             batch = b
-        elif b != batch:
-            raise _batch_mismatch(spec, request, name)
     if not seen.issuperset(plan.required):
         _raise_count(spec, request, list(plan.required), [t.name for t in inputs])
     for source in plan.sources:
@@ -146,11 +144,15 @@ def _batch_mismatch(spec: ModelSpec, request: InferenceRequest, name: str) -> Pi
                        f"'{spec.name}'")
 
 
+def _duplicate(request: InferenceRequest, name: str) -> PierError:
+    return invalid_arg(f"{request_prefix(request)}input '{name}' already exists in request")
+
+
 def _check_unique(request: InferenceRequest) -> None:
     seen: set[str] = set()
     for t in request.inputs:
         if t.name in seen:
-            raise invalid_arg(f"{request_prefix(request)}input '{t.name}' already exists in request")
+            raise _duplicate(request, t.name)
         seen.add(t.name)
 
 

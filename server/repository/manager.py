@@ -179,9 +179,6 @@ class RepositoryManager:
         src = sources.get(name)
         if src is None and (override is None or not override.files):
             raise invalid_arg(f"failed to load '{name}': model not found in any model repository")
-        if override is not None and override.files and not override.config_json:  # before any record exists
-            raise invalid_arg(f"failed to load '{name}': model files in a load request need the 'config' "
-                              "parameter too")
         record = self._record(name)
         async with record.lock:
             error = await self._reconcile(record, src, override, force=override is not None, sources=sources,
@@ -552,9 +549,7 @@ class RepositoryManager:
                      override: LoadOverride | None) -> Path:
         """The folder this load reads: the repository's, or a temporary one holding the files a
         load request sent. Blocking (writes files)."""
-        if override is not None and override.files:
-            if not override.config_json:
-                raise invalid_arg("model files in a load request need the 'config' parameter too")
+        if override is not None and override.files:  # the control plane checked they come with a config
             tmp = Path(tempfile.mkdtemp(prefix=f"pier-{record.name}-"))
             root = (tmp / record.name).resolve()
             for rel, content in override.files.items():

@@ -101,28 +101,35 @@ def test_async_bls(server: PierProcess) -> None:
     assert np.allclose(client.infer("async_bls", add_sub_inputs(httpclient, a, b)).as_numpy("OUTPUT0"), 2 * a)
 
 
-def test_decoupled_model_streams_over_grpc(server: PierProcess) -> None:
+def stream_ints(server: PierProcess, model: str, inp: str, out: str, requests_: dict[str, int]) -> dict[str, list]:
+    """Send one INT32 [1] request per id over a gRPC stream (asking for the empty final response);
+    return each id's OUT values in order, once every request's final flag arrived. Flag-only
+    responses are checked to be Triton's empty final: the model named, no version."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
-    for n, rid in ((3, "three"), (5, "five")):
-        inp = grpcclient.InferInput("IN", [1], "INT32")
-        inp.set_data_from_numpy(np.array([n], dtype=np.int32))
-        client.async_stream_infer("square_int32", [inp], request_id=rid,
-                                  enable_empty_final_response=True)
-    got: dict[str, list[int]] = {"three": [], "five": []}
+    for rid, n in requests_.items():
+        g = grpcclient.InferInput(inp, [1], "INT32")
+        g.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer(model, [g], request_id=rid, enable_empty_final_response=True)
+    got: dict[str, list[int]] = {rid: [] for rid in requests_}
     finals: set[str] = set()
-    while len(finals) < 2:
+    while len(finals) < len(requests_):
         result, error = answers.get(timeout=30)
         assert error is None, error
         response = result.get_response()
         if response.parameters["triton_final_response"].bool_param:
             finals.add(response.id)
-        if not response.outputs:  # Triton's empty final response names the model but no version
-            assert response.model_name == "square_int32" and response.model_version == ""
         if response.outputs:
-            got[response.id].append(int(result.as_numpy("OUT")[0]))
+            got[response.id].append(int(result.as_numpy(out)[0]))
+        else:
+            assert response.model_name == model and response.model_version == ""
     client.stop_stream()
+    return got
+
+
+def test_decoupled_model_streams_over_grpc(server: PierProcess) -> None:
+    got = stream_ints(server, "square_int32", "IN", "OUT", {"three": 3, "five": 5})
     assert got == {"three": [3, 3, 3], "five": [5, 5, 5, 5, 5]}
 
 
@@ -135,24 +142,7 @@ def test_ensemble_with_a_decoupled_step_streams(server: PierProcess) -> None:
     inp.set_data_from_numpy(np.array([2], dtype=np.int32))
     with pytest.raises(InferenceServerException, match="decoupled"):
         http.infer("square_double", [inp])
-    answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
-    for n in (3, 0):
-        g = grpcclient.InferInput("N", [1], "INT32")
-        g.set_data_from_numpy(np.array([n], dtype=np.int32))
-        client.async_stream_infer("square_double", [g], request_id=f"n{n}", enable_empty_final_response=True)
-    got: dict[str, list[int]] = {"n3": [], "n0": []}
-    finals: set[str] = set()
-    while len(finals) < 2:
-        result, error = answers.get(timeout=30)
-        assert error is None, error
-        response = result.get_response()
-        if response.outputs:
-            got[response.id].append(int(result.as_numpy("DOUBLED")[0]))
-        if response.parameters["triton_final_response"].bool_param:
-            finals.add(response.id)
-    client.stop_stream()
+    got = stream_ints(server, "square_double", "N", "DOUBLED", {"n3": 3, "n0": 0})
     assert got == {"n3": [6, 6, 6], "n0": []}
     stats = http.get_inference_statistics("double_int32")["model_stats"][0]
     assert stats["inference_count"] == 3  # the step after the decoupled one ran once per response

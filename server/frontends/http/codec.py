@@ -168,8 +168,7 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
     if len(inputs) != 1:
         raise invalid_arg(
             f"[request id: <id_unknown>] Raw request must only have 1 input (found 1) to be deduced but got "
-            f"{len(inputs)} inputs in "
-            f"'{model}' model configuration"
+            f"{len(inputs)} inputs in '{model}' model configuration"
         )
     spec = inputs[0]
     name, datatype = spec["name"], spec["datatype"]

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from server import __version__
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError
 from server.frontends.http import codec
@@ -442,8 +443,6 @@ class OpenAIHandlers:
         return web.Response(status=200 if ready else 503)
 
     async def version(self, request: web.Request) -> web.Response:
-        from server import __version__
-
         return web.Response(body=orjson.dumps({"version": __version__}), content_type="application/json")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
