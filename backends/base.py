@@ -90,6 +90,15 @@ class InstanceContext:
     device_id: int | None = None
 
 
+class Reschedule(list):  # type: ignore[type-arg]
+    """The result of a request its model released with Triton's RESCHEDULE flag (python backend's
+    `set_release_flags`): the sequence batcher of a model with `iterative_sequence` runs it again.
+    Backends return the one instance, `RESCHEDULE` (an empty tensor list, so that the schedulers
+    between the backend and that batcher pass it on as an answer without outputs), and only for
+    such models."""
+
+
+RESCHEDULE = Reschedule()
 ExecuteResult = list[Tensor] | PierError
 
 

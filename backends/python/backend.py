@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
 from backends.python import triton_python_backend_utils as pb_utils
 from backends.python.bls import error_of, to_pb_request, to_pier_tensor
 from server.errors import internal, invalid_arg, unavailable
@@ -60,6 +60,7 @@ class PythonInstance(ModelInstance):
         self._ctx = ctx
         self._spec = ctx.spec
         self._decoupled = ctx.spec.decoupled
+        self._iterative = bool(getattr(ctx.spec.sequence, "iterative", False))  # RESCHEDULE runs it again
         self._out_types = {t.name: t.datatype for t in ctx.spec.outputs}
         self._out_names = list(self._out_types)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -133,12 +134,21 @@ class PythonInstance(ModelInstance):
             if responses is not None:
                 return [invalid_arg(f"decoupled python model '{self._spec.name}' must return None from "
                                     "execute() and answer through response senders")] * len(requests)
-            return [[] for _ in requests]
-        if responses is None or len(responses) != len(requests):
+            results: list[ExecuteResult] = [[] for _ in requests]
+        elif responses is None or len(responses) != len(requests):
             got = "None" if responses is None else str(len(responses))
             return [internal(f"python model '{self._spec.name}' returned {got} responses for "
                              f"{len(requests)} requests")] * len(requests)
-        return [self._to_result(resp) for resp in responses]
+        else:  # a rescheduled request's entry (None, as Triton asks) is not a response
+            results = [None if r._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE  # type: ignore[misc]
+                       else self._to_result(resp) for r, resp in zip(pb_requests, responses)]
+        for i, r in enumerate(pb_requests):
+            if r._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                results[i] = RESCHEDULE if self._iterative else internal(
+                    f"Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but model "
+                    f"'{self._spec.name}' does not use iterative sequence batching (sequence_batching "
+                    "{ iterative_sequence: true })")
+        return results
 
     def close(self) -> None:
         if hasattr(self._model, "finalize"):

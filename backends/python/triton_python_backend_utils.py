@@ -210,6 +210,7 @@ class InferenceRequest:
         self._server_request: Any = None  # server.types.InferenceRequest, for requests we execute
         self._to_result: Any = None  # response -> backend result (set by the backend)
         self._sender: InferenceResponseSender | None = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     # what a model reads from a request it executes
     def inputs(self) -> list[Tensor]:
@@ -250,8 +251,10 @@ class InferenceRequest:
             self._sender = InferenceResponseSender(self)
         return self._sender
 
-    def set_release_flags(self, flags: int) -> None:  # rescheduling is not supported: accepted, ignored
-        pass
+    def set_release_flags(self, flags: int) -> None:
+        """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: run this request again (models with
+        `sequence_batching { iterative_sequence: true }`; an error for any other)."""
+        self._release_flags = int(flags)
 
     def _send(self, response: InferenceResponse | None, final: bool) -> None:
         sink = self._server_request.response_sink

@@ -462,6 +462,7 @@ def sequence_policy(config: mc.ModelConfig, model_dir: Path | None) -> SequenceP
         controls=tuple(controls),
         states=tuple(states),
         returned_states=frozenset(s.output_name for s in states if s.output_name in outputs),
+        iterative=sb.iterative_sequence,
     )
 
 

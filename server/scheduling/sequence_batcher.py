@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import ExecuteResult
+from backends.base import RESCHEDULE, ExecuteResult
 from server.datatypes import numpy_dtype
-from server.errors import PierError, internal, invalid_arg
+from server.errors import ErrorCode, PierError, internal, invalid_arg
 from server.scheduling.base import Scheduler, WorkItem
 from server.types import InferenceRequest, RequestedOutput, Tensor
 
@@ -64,6 +64,7 @@ class SequencePolicy:
     controls: tuple[Control, ...] = ()
     states: tuple[StateSpec, ...] = ()
     returned_states: frozenset[str] = frozenset()  # state outputs the config lists as outputs
+    iterative: bool = False  # `iterative_sequence`: each request is a sequence the model may reschedule
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class SequenceBatcher(Scheduler):
         self._model = model_name
         self._sequences: dict[CorrelationId, _Sequence] = {}
         self._swept_ns = time.perf_counter_ns()
+        self._iterations = 0  # correlation IDs of iterative sequences
 
     def _not_started(self, corrid: CorrelationId) -> PierError:
         return invalid_arg(f"inference request for sequence {corrid} to model '{self._model}' must specify the "
@@ -128,6 +130,8 @@ class SequenceBatcher(Scheduler):
             del self._sequences[corrid]
 
     async def enqueue(self, item: WorkItem) -> ExecuteResult:
+        if self._policy.iterative:
+            return await self._iterate(item)
         request = item.request
         try:
             corrid = correlation_id(request)
@@ -164,6 +168,29 @@ class SequenceBatcher(Scheduler):
             if seq.ended and not seq.users and self._sequences.get(corrid) is seq:
                 del self._sequences[corrid]
         return result
+
+    async def _iterate(self, item: WorkItem) -> ExecuteResult:
+        """Triton's iterative sequence: each request is a sequence of its own (the client names no
+        correlation ID; the batcher makes one). Its first execution carries START; each time the
+        model releases it with RESCHEDULE it is queued again, without START (Triton never sends END
+        here: the model ends the sequence by answering). A request whose client went away is not
+        run again."""
+        request = item.request
+        if self._policy.batched and item.batch_size != 1:
+            return invalid_arg(f"inference request to model '{self._model}' must specify batch-size 1 due to "
+                               "requirements of sequence batcher")
+        self._iterations += 1
+        corrid = self._iterations
+        seq, start = _Sequence(), True
+        while True:
+            run = self._with_controls(request, corrid, start, False, seq)
+            run.parameters = {**request.parameters, "sequence_id": corrid, "sequence_start": start}
+            result = await self._inner.enqueue(WorkItem(run, item.batch_size))
+            if result is not RESCHEDULE:
+                return result if isinstance(result, Exception) else self._keep_state(result, seq, request)
+            if request.cancelled:
+                return PierError(ErrorCode.CANCELLED, f"request to model '{self._model}' was cancelled")
+            start = False
 
     def _with_controls(self, request: InferenceRequest, corrid: CorrelationId, start: bool, end: bool,
                        seq: _Sequence) -> InferenceRequest:

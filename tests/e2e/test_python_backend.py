@@ -46,6 +46,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     (repo / "square_double" / "1").mkdir(parents=True)
     (repo / "square_double" / "config.pbtxt").write_text(SQUARE_DOUBLE)
+    # the iterative model with a scheduler that cannot reschedule (Triton's unsupported case)
+    shutil.copytree(repo / "iterative_countdown", repo / "reschedule_dynamic")
+    config = (repo / "reschedule_dynamic" / "config.pbtxt").read_text()
+    (repo / "reschedule_dynamic" / "config.pbtxt").write_text(
+        config.replace('"iterative_countdown"', '"reschedule_dynamic"')
+        .replace("sequence_batching { iterative_sequence: true }", "dynamic_batching { }"))
     proc = start_pier([repo], log_path=repo.parent / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -383,3 +389,62 @@ def test_models_load_and_unload_models(tmp_path) -> None:
         assert call("load", "no_such_model").startswith("error: Failed to load the model 'no_such_model'")
     finally:
         assert proc.stop() == 0
+
+
+def countdown_stream(server: PierProcess, model: str, starts: dict[str, int]) -> dict[str, list]:
+    """One INPUT [1, 1] request per id over a gRPC stream; each id's OUTPUT values (or its error)."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    for rid, n in starts.items():
+        g = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+        g.set_data_from_numpy(np.array([[n]], dtype=np.int32))
+        client.async_stream_infer(model, [g], request_id=rid, enable_empty_final_response=True)
+    got: dict[str, list] = {rid: [] for rid in starts}
+    done: set[str] = set()
+    while len(done) < len(starts):
+        result, error = answers.get(timeout=30)
+        if error is not None:  # the stream's error names no request: the one model of this call
+            got[next(r for r in starts if r not in done)].append(str(error))
+            done.add(next(r for r in starts if r not in done))
+            continue
+        response = result.get_response()
+        if response.outputs:
+            got[response.id].append(int(result.as_numpy("OUTPUT")[0][0]))
+        if response.parameters["triton_final_response"].bool_param:
+            done.add(response.id)
+    client.stop_stream()
+    return got
+
+
+def test_request_rescheduling_of_an_iterative_decoupled_model(server: PierProcess) -> None:
+    """Triton's request rescheduling (python backend, `iterative_sequence: true`): a request the
+    model releases with RESCHEDULE runs again, without START and with the same correlation ID, until
+    the model answers it finally; concurrent requests are sequences of their own."""
+    got = countdown_stream(server, "iterative_countdown", {"a": 3, "b": 2, "c": 1})
+    assert got == {"a": [2, 1, 0], "b": [1, 0], "c": [0]}
+    # over HTTP's generate_stream too (Triton's iterative-sequence test)
+    r = requests.post(f"{server.base()}/v2/models/iterative_countdown/generate_stream", json={"INPUT": 2},
+                      timeout=30)
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert r.status_code == 200 and [e["OUTPUT"] for e in events] == [1, 0], r.text
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_request_rescheduling_of_an_iterative_model(server: PierProcess, mod) -> None:
+    """Not decoupled: a rescheduled request's entry in execute()'s responses is None; the client
+    gets the one answer of the execution that did not reschedule."""
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    for steps in (1, 4):
+        result = client.infer("iterative_steps", numpy_inputs(mod, {"STEPS": np.array([steps], np.int32)}))
+        assert result.as_numpy("EXECUTIONS").tolist() == [steps]
+
+
+def test_rescheduling_without_iterative_sequences_fails_the_request(server: PierProcess) -> None:
+    """As Triton: RESCHEDULE on a model whose scheduler cannot reschedule fails that request with
+    an error that says so; the model keeps serving."""
+    got = countdown_stream(server, "reschedule_dynamic", {"x": 2})
+    assert len(got["x"]) == 2 and got["x"][0] == 1, got  # the response sent before the release, then the error
+    assert "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE" in got["x"][1]
+    assert "iterative_sequence" in got["x"][1]
+    assert countdown_stream(server, "reschedule_dynamic", {"y": 1}) == {"y": [0]}
