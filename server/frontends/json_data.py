@@ -9,8 +9,9 @@ import numpy as np
 from server.datatypes import JSON_UNSUPPORTED, element_count, numpy_dtype, to_bytes_element
 from server.errors import invalid_arg
 
-# numpy kinds a JSON array may hold for each target kind (b=bool, i/u=int, f=float).
-_ACCEPT = {"b": "b", "i": "iub", "u": "iub", "f": "iubf"}
+# numpy kinds a JSON array may hold for each target kind (b=bool, i/u=int, f=float): as Triton,
+# true/false are not numbers and numbers are not booleans.
+_ACCEPT = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 
 
 def _flatten_strings(data: Any, out: list[bytes], name: str, depth: int = 0) -> None:
@@ -21,10 +22,9 @@ def _flatten_strings(data: Any, out: list[bytes], name: str, depth: int = 0) -> 
             _flatten_strings(item, out, name, depth + 1)
     elif isinstance(data, str):
         out.append(data.encode("utf-8"))
-    elif isinstance(data, (int, float, bool)):
-        out.append(to_bytes_element(data))
-    else:
-        raise invalid_arg(f"unable to parse 'data' of BYTES input '{name}': elements must be strings")
+    else:  # as Triton: a number or boolean is not a string
+        raise invalid_arg(f"unable to parse 'data' of BYTES input '{name}': elements must be strings, "
+                          f"got {json_type(data)}")
 
 
 def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np.ndarray:
@@ -57,13 +57,25 @@ def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np
     if raw.size and raw.dtype.kind not in _ACCEPT[dtype.kind]:
         raise invalid_arg(
             f"unable to parse 'data' of input '{name}': expected {datatype} values, got "
-            f"{'strings' if raw.dtype.kind in 'US' else 'values of another type'}"
+            f"{_KIND_NAMES.get(raw.dtype.kind, 'values of another type')}"
         )
     if raw.size and dtype.kind in "iu" and raw.dtype.kind in "iu":
         info = np.iinfo(dtype)
         if raw.min() < info.min or raw.max() > info.max:
             raise invalid_arg(f"a value of input '{name}' is out of range for {datatype}")
     return raw.astype(dtype, copy=False).reshape(shape)
+
+
+_KIND_NAMES = {"U": "strings", "S": "strings", "b": "booleans", "f": "non-integer numbers", "i": "integers",
+               "u": "integers"}
+
+
+def json_type(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (for error messages)."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", dict: "an object", list: "an array"}.get(
+        type(value), type(value).__name__)
 
 
 def _big_ints(raw: np.ndarray, data: Any, dtype: np.dtype, datatype: str, shape: list[int],
@@ -88,8 +100,11 @@ def array_to_json(array: np.ndarray, datatype: str) -> Any:
     flat = array.reshape(-1)
     if datatype == "BYTES":
         return [to_bytes_element(x).decode("utf-8", "replace") for x in flat]
-    if flat.dtype == np.float32:
+    if flat.dtype == np.float32 or flat.dtype == np.float16:
         # As Triton: the float widened to a double, written in full (0.1f -> 0.10000000149011612), so
         # the JSON equals the float32 array's .tolist(); orjson would write float32's short form (0.1).
+        # FP16 the same way (Triton refuses FP16 as JSON: the client asked for JSON, so it gets JSON).
         return flat.astype(np.float64)
+    if datatype == "BF16":  # uint16 bit patterns: the upper half of a float32
+        return (flat.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return flat  # orjson serializes numpy arrays natively (OPT_SERIALIZE_NUMPY)

@@ -57,6 +57,36 @@ def test_http_round_trip(pier, datatype, binary):
     assert result.get_output("OUTPUT0")["datatype"] == datatype
 
 
+@pytest.mark.parametrize("datatype", ["FP16", "BF16"])
+def test_http_half_precision_output_as_json(pier, datatype):
+    """FP16 / BF16 in binary, answer asked for as JSON: JSON numbers (each value widened exactly), as
+    for FP32 (Triton refuses with 400; it used to come back binary regardless)."""
+    data = sample(datatype)
+    client = httpclient.InferenceServerClient(pier.http_url)
+    inp = httpclient.InferInput("INPUT0", list(data.shape), datatype)
+    inp.set_data_from_numpy(data, binary_data=True)
+    result = client.infer(f"roundtrip_{datatype.lower()}", [inp],
+                          outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)])
+    out = result.get_output("OUTPUT0")
+    assert out["datatype"] == datatype and "binary_data_size" not in out.get("parameters", {})
+    assert out["data"] == data.astype(np.float64).reshape(-1).tolist()
+
+
+def test_http_binary_data_output_is_for_unnamed_outputs(pier):
+    """As Triton 2.51: `binary_data_output` sets the format of the outputs a request does not name;
+    a named output is JSON unless its own `binary_data` is true."""
+    import requests
+
+    inp = {"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [1.5, 2.5]}
+    url = f"http://{pier.http_url}/v2/models/roundtrip_fp32/infer"
+    named = requests.post(url, json={"parameters": {"binary_data_output": True}, "inputs": [inp],
+                                     "outputs": [{"name": "OUTPUT0"}]}, timeout=10)
+    assert named.status_code == 200 and named.json()["outputs"][0]["data"] == [1.5, 2.5], named.text
+    unnamed = requests.post(url, json={"parameters": {"binary_data_output": True}, "inputs": [inp]}, timeout=10)
+    header_len = int(unnamed.headers["Inference-Header-Content-Length"])
+    assert np.frombuffer(unnamed.content[header_len:], np.float32).tolist() == [1.5, 2.5]
+
+
 @pytest.mark.parametrize("datatype", ROUND_TRIP_TYPES)
 def test_grpc_round_trip(pier, datatype):
     data = sample(datatype)

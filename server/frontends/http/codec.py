@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from server.datatypes import JSON_UNSUPPORTED, check_dims, element_size, from_raw, is_datatype, to_raw
+from server.datatypes import check_dims, element_size, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg
 from server.frontends.json_data import array_from_json, array_to_json
 from server.shared_memory import (
@@ -237,9 +237,9 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
     return Tensor(name, datatype, shape, data, rest), offset
 
 
-def _has_non_finite(t: Tensor) -> bool:
-    data = t.data
-    if data.dtype.kind != "f" or not data.size:
+def _has_non_finite(data: Any) -> bool:
+    """Whether an output's JSON data (array_to_json's) holds NaN or an infinity."""
+    if not isinstance(data, np.ndarray) or data.dtype.kind != "f" or not data.size:
         return False
     if data.size <= 256:  # numpy's per-call overhead dominates small tensors
         return not all(map(math.isfinite, data.ravel().tolist()))
@@ -250,14 +250,16 @@ def encode_response(response: InferenceResponse, request: InferenceRequest,
                     shm: SystemSharedMemory | None = None) -> tuple[bytes, int | None]:
     """The response body, and the JSON header length when binary blobs follow (else None).
     Outputs requested in shared memory are written there and carry no data."""
-    default_binary = request.parameters.get("binary_data_output", False) is True
+    # As Triton: `binary_data_output` is the format of the outputs a request gets without naming
+    # them; an output the request names is JSON unless its own `binary_data` says otherwise.
+    default_binary = not request.outputs and request.parameters.get("binary_data_output", False) is True
     wanted = {o.name: o.parameters for o in request.outputs}
     outs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     non_finite = any_binary = False
     for t in response.outputs:
         p = wanted.get(t.name, {})
-        binary = p.get("binary_data", default_binary) is True or t.datatype in JSON_UNSUPPORTED
+        binary = p.get("binary_data", default_binary) is True
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
         if shm is not None and write_output(shm, t, p):
             outs.append(entry)
@@ -271,8 +273,8 @@ def encode_response(response: InferenceResponse, request: InferenceRequest,
         else:
             if t.parameters:
                 entry["parameters"] = t.parameters
-            entry["data"] = array_to_json(t.data, t.datatype)
-            non_finite = non_finite or _has_non_finite(t)
+            entry["data"] = data = array_to_json(t.data, t.datatype)
+            non_finite = non_finite or _has_non_finite(data)
         outs.append(entry)
     doc: dict[str, Any] = {}
     if response.id:
