@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from server.errors import invalid_arg, unavailable
-from server.repository.manager import LoadOverride, RepositoryManager
+from server.repository.manager import LoadOverride, RepositoryManager, check_file_parameter
 from server.repository.source import is_version
 
 FILE_PREFIX = "file:"
@@ -60,6 +60,7 @@ class ControlPlane:
                     if not isinstance(value, bytes):
                         raise invalid_arg(f"load parameter '{key}' must carry the file content (base64 over HTTP, "
                                           "bytes_param over gRPC)")
+                    check_file_parameter(key[len(FILE_PREFIX):])
                     override.files[key[len(FILE_PREFIX):]] = value
                 else:
                     raise invalid_arg(f"unexpected load parameter '{key}': expected 'config' or "

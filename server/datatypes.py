@@ -73,15 +73,19 @@ def element_count(shape: Sequence[int]) -> int:
 
 
 MAX_DIMS = 64  # numpy's limit on an array's dimensions
+MAX_SPAN = 2**59  # numpy's bound on an array's dims product (x itemsize < 2**63), for 16-byte elements
 
 
 def check_dims(shape: Sequence[int], name: str) -> None:
-    """A request tensor's shape, before anything is sized from it: no negative dimension and no
-    more dimensions than an array can have."""
+    """A request tensor's shape, before anything is sized from it: no negative dimension, no more
+    dimensions than an array can have, and no dimensions whose product (zeros left out: numpy
+    counts them so even for an empty array) no array can have."""
     if len(shape) > MAX_DIMS:
         raise invalid_arg(f"input '{name}' has {len(shape)} dimensions; at most {MAX_DIMS} are supported")
     if shape and min(shape) < 0:
         raise invalid_arg(f"input '{name}' has a negative dimension in shape {list(shape)}")
+    if math.prod(d for d in shape if d) > MAX_SPAN:
+        raise invalid_arg(f"input '{name}' has shape {list(shape)}, larger than any tensor can be")
 
 
 def to_bytes_element(value: object) -> bytes:

@@ -19,10 +19,22 @@ class ErrorCode(enum.Enum):
     TOO_LARGE = "TOO_LARGE"
 
 
+def printable(text: str) -> str:
+    """`text` as valid UTF-8: a message that quotes client bytes which are not UTF-8 (kept as
+    surrogates by the decoders) shows them as \\udcXX escapes instead of failing to encode on the
+    way out (JSON bodies, gRPC status details)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 class PierError(Exception):
     """An error with a code the frontends know how to report. The message is user-facing."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
+        message = printable(message)
         super().__init__(message)
         self.code = code
         self.message = message

@@ -57,9 +57,9 @@ class Placement:
 
 def _path(key: str) -> str | None:
     """The file behind a shm_open key: "/name" with no other slash (shm_open's own rule, which
-    also keeps keys from naming files outside /dev/shm)."""
+    also keeps keys from naming files outside /dev/shm) and no NUL (no file has one)."""
     name = key[1:] if key.startswith("/") else key
-    if not name or "/" in name or name in (".", ".."):
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
         return None
     return os.path.join(SHM_DIR, name)
 

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from backends.base import ServerServices
 from server import backend_registry
@@ -38,6 +38,15 @@ log = logging.getLogger("pier.repository")
 
 UNLOADED = "unloaded"
 WEIGHTS_PARAMETER = "traffic_weights"  # config parameter: "1:90,2:10"
+
+
+def check_file_parameter(rel: str) -> None:
+    """A load request's `file:<rel>`: a relative path inside the model folder (checked before the
+    load starts, so that a refused request changes nothing)."""
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\0" in rel:
+        raise invalid_arg(f"invalid file parameter 'file:{rel}': expected a path inside the model folder, "
+                          "e.g. 'file:1/model.onnx' or 'file:labels.txt'")
 
 
 @dataclass
@@ -554,11 +563,9 @@ class RepositoryManager:
             root = (tmp / record.name).resolve()
             for rel, content in override.files.items():
                 target = (root / rel).resolve()
-                parts = Path(rel).parts
-                if Path(rel).is_absolute() or ".." in parts or not parts or not target.is_relative_to(root):
+                if not target.is_relative_to(root):  # check_file_parameter refused it already
                     shutil.rmtree(tmp, ignore_errors=True)
-                    raise invalid_arg(f"invalid file parameter 'file:{rel}': expected a path inside the model "
-                                      "folder, e.g. 'file:1/model.onnx' or 'file:labels.txt'")
+                    raise invalid_arg(f"invalid file parameter 'file:{rel}'")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(content)
             self._drop_override(record)

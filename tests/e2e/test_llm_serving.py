@@ -386,7 +386,8 @@ def test_openai_errors(oai, server: PierProcess) -> None:
     for body, fragment in (({"prompt": [2**63]}, "token id 9223372036854775808 in prompt is out of range"),
                            ({"prompt": "x", "stream": 5}, "stream must be a boolean"),
                            ({"prompt": "x", "echo": "maybe"}, "echo must be a boolean"),
-                           ({"prompt": "x", "n": "two"}, "n must be an integer")):
+                           ({"prompt": "x", "n": "two"}, "n must be an integer"),
+                           ({"prompt": ["a"] * 5000}, "prompt holds 5000 prompts; at most 1024")):
         r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llama", "max_tokens": 2, **body},
                           timeout=60)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text

@@ -62,6 +62,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (broken / "1").mkdir(parents=True)
     (broken / "config.pbtxt").write_text(ADD_CONFIG.format(name="broken", policy="{ all { } }"))
     (broken / "1" / "model.onnx").write_bytes(b"this is not an onnx model")
+    utf16 = root / "utf16"  # a config saved by an editor in UTF-16: its bytes are not UTF-8 text
+    (utf16 / "1").mkdir(parents=True)
+    (utf16 / "config.pbtxt").write_bytes(ADD_CONFIG.format(name="utf16", policy="{ all { } }").encode("utf-16"))
     return root
 
 
@@ -129,6 +132,7 @@ def test_load_with_files_in_the_request(server: PierProcess, http, tmp_path: Pat
     assert not any(name == "uploaded2" for name, _ in index(server))  # as Triton: no trace of the refused load
     with pytest.raises(InferenceServerException, match="invalid file parameter"):
         http.load_model("uploaded3", config=json.dumps(config), files={"file:1/../../escape.onnx": b"x"})
+    assert not any(name == "uploaded3" for name, _ in index(server))  # refused before the load: no trace
     http.unload_model("uploaded")
     wait_for(lambda: index(server).get(("uploaded", "3")) == ("UNAVAILABLE", "unloaded"), what="uploaded unloaded")
 
@@ -157,6 +161,22 @@ def test_broken_model_fails_with_reason_and_others_keep_serving(server: PierProc
     assert state == "UNAVAILABLE" and reason
     assert add_infer(http, "other")[0] == "1"
 
+
+
+def test_a_config_that_is_not_utf8_fails_its_load_clearly(server: PierProcess, http) -> None:
+    """The parse error quotes bytes that are not UTF-8: it still reaches the client (HTTP 400, gRPC
+    INVALID_ARGUMENT, naming the file and line) and the repository index keeps answering."""
+    with pytest.raises(InferenceServerException, match=r"config\.pbtxt:1:") as err:
+        http.load_model("utf16")
+    assert err.value.status() == "400"
+    grpc_client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match=r"config\.pbtxt:1:") as err:
+        grpc_client.load_model("utf16", client_timeout=20)
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    state, reason = index(server)[("utf16", "")]
+    assert state == "UNAVAILABLE" and "config.pbtxt:1:" in reason
+    assert any(m.name == "utf16" for m in grpc_client.get_model_repository_index().models)
+    http.unload_model("utf16")
 
 
 def test_strict_readiness_counts_a_failed_load_until_it_is_unloaded(repo: Path, tmp_path: Path) -> None:

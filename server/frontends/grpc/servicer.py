@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from server import log_settings, restrictions, shared_memory
 from server.control_plane import ControlPlane
 from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError, unsupported
+from server.errors import ErrorCode, PierError, printable, unsupported
 from server.frontends.grpc import codec
 from server.frontends.grpc.errors import grpc_code
 from server.protocol import grpc_service_pb2 as pb
@@ -73,7 +73,8 @@ def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
         if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0
             log.debug("gRPC request: %s", method.__name__)
         if type(request) is _Unreadable:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unable to parse the request: {request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                printable(f"unable to parse the request: {request.error}"))
         try:
             return await method(self, request, context)
         except PierError as exc:
@@ -82,7 +83,7 @@ def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as exc:
             log.exception("unhandled error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, printable(f"internal error: {type(exc).__name__}: {exc}"))
     return wrapper
 
 
@@ -294,7 +295,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 yield message
             if unreadable:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"unable to read a request of the stream: {unreadable[0]}")
+                                    printable(f"unable to read a request of the stream: {unreadable[0]}"))
         finally:
             reader.cancel()
             for t in list(tasks):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from server.errors import ErrorCode, PierError
+from server.errors import ErrorCode, PierError, printable
 
 _STATUS = {
     ErrorCode.INTERNAL: 500,
@@ -21,7 +21,8 @@ def http_status(code: ErrorCode) -> int:
 
 
 def error_response(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps({"error": message}), content_type="application/json")
+    return web.Response(status=status, body=orjson.dumps({"error": printable(message)}),
+                        content_type="application/json")
 
 
 def from_error(exc: PierError) -> web.Response:

@@ -70,6 +70,7 @@ def _lax_bool(doc: dict[str, Any], key: str) -> None:
         raise _BadRequest(f"{key} must be a boolean, got {value!r}.", key)
 
 
+MAX_PROMPTS = 1024  # prompts in one completions request
 _INTS = ("max_tokens", "max_completion_tokens", "n", "top_logprobs", "seed", "top_k", "min_tokens")
 
 
@@ -236,6 +237,8 @@ class OpenAIHandlers:
             prompts = prompt
         else:
             raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
+        if len(prompts) > MAX_PROMPTS:  # each is a request of its own: a bound on what one call can queue
+            raise _BadRequest(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request.", "prompt")
         for p in prompts:
             bad = next((t for t in p if not 0 <= t < 2**63), None) if isinstance(p, list) else None
             if bad is not None:
