@@ -135,9 +135,16 @@ def _plain_message(message: Any) -> dict[str, Any]:
     return out
 
 
+_CONTEXT_TOKENS = 4  # tokens decoded before a logprob token, for its leading space and pending bytes
+
+
+def alone_text(tokenizer: Any, token: int) -> str:
+    return str(tokenizer.decode([token], skip_special_tokens=False)).replace("\ufffd", "")
+
+
 def _render_chat(tokenizer: Any, doc: Any) -> str:
     """chat_messages: a list of messages, or {"messages", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs"} (the OpenAI frontend's template options).
+    "continue_final_message", "chat_template_kwargs", "tools"} (the OpenAI frontend's template options).
     continue_final_message renders without a generation prompt and ends the text right after the
     last message's content, so the model continues it."""
     options: dict[str, Any] = doc if isinstance(doc, dict) else {"messages": doc}
@@ -151,7 +158,12 @@ def _render_chat(tokenizer: Any, doc: Any) -> str:
         raise ValueError(f"chat_template_kwargs must be an object without {sorted(_TEMPLATE_NAMES)}")
     if add and cont:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    tools = options.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools must be a list")
     messages = [_plain_message(m) for m in messages]
+    if tools:  # the template shows the model the tools (as HF's apply_chat_template(tools=...))
+        kwargs = {**kwargs, "tools": tools}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, **kwargs)
     final = messages[-1].get("content")
     if cont and isinstance(final, str) and final and (at := text.rfind(final)) >= 0:
@@ -257,6 +269,11 @@ class LLMInstance(ModelInstance):
         prefix = "" if stream or flags["exclude_input_in_output"] or not isinstance(prompt, str) else prompt
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[Any]] = {}
+        logprob_ids: dict[int, list[int]] = {}  # the tokens `logprobs` (not yet sent) are for
+        # what each sequence's logprob tokens are decoded after (so that a token reads as it does in
+        # the text): the prompt's last tokens, then the sequence's own
+        context: dict[int, list[int]] = {}
+        prompt_tail: list[int] | None = None
         pending_prompt_lp: dict[int, Any] = {}  # prompt logprobs not yet sent (their output carried no text)
         remaining = sampling.n
         started = time.monotonic()
@@ -284,16 +301,25 @@ class LLMInstance(ModelInstance):
                 emits = out.finished or (stream and bool(out.text or (flags["return_logprobs"] and out.logprobs)))
                 if emits and out.index in pending_prompt_lp:
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
+                if flags["return_logprobs"] and out.index not in context:
+                    if prompt_tail is None:
+                        prompt_tail = self._prompt_tail(prompt)
+                    context[out.index] = list(prompt_tail)
                 if stream:
                     if emits:
-                        sink(self._tensors(out.text, out, flags, out.logprobs, out.finished), final)
+                        sink(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
+                                           context.get(out.index)), final)
+                    if flags["return_logprobs"]:
+                        context[out.index] += out.token_ids
                 else:
                     texts.setdefault(out.index, []).append(out.text)
                     if out.logprobs:
                         logprobs.setdefault(out.index, []).extend(out.logprobs)
+                        logprob_ids.setdefault(out.index, []).extend(out.token_ids)
                     if out.finished:
                         whole = prefix + "".join(texts.pop(out.index, []))
-                        sink(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True), final)
+                        sink(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True,
+                                           logprob_ids.pop(out.index, []), context.get(out.index)), final)
                 if final:
                     self._e2e.observe(time.monotonic() - started)
                     if out.finish_reason == "abort":
@@ -318,7 +344,13 @@ class LLMInstance(ModelInstance):
                 return
             await asyncio.sleep(0.05)
 
-    def _tensors(self, text: str, out: Any, flags: dict[str, bool], lps: Any, finished: bool) -> list[Tensor]:
+    def _prompt_tail(self, prompt: Any) -> list[int]:
+        """The last tokens of the prompt (token ids, or text as the engine encodes it)."""
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(str(prompt))
+        return list(ids[-_CONTEXT_TOKENS:])
+
+    def _tensors(self, text: str, out: Any, flags: dict[str, bool], lps: Any, finished: bool,
+                 lp_ids: Sequence[int] = (), context: Sequence[int] | None = None) -> list[Tensor]:
         tensors = [Tensor("text_output", "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))]
         if flags["return_finish_reason"]:
             reason = (out.finish_reason or "") if finished else ""
@@ -333,23 +365,46 @@ class LLMInstance(ModelInstance):
         tensors.append(Tensor("sequence_index", "UINT32", [1], np.array([out.index], np.uint32)))
         if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
             ids = [t for t, _, _ in out.prompt_logprobs]
-            doc = self._logprobs_doc(ids, [(lp, top) for _, lp, top in out.prompt_logprobs])
+            doc = self._logprobs_doc(ids, [(lp, top) for _, lp, top in out.prompt_logprobs], [])
             doc["text"] = self.tokenizer.decode(ids)  # the prompt, for echo
             tensors.append(Tensor("prompt_logprobs", "BYTES", [1], np.array([json.dumps(doc).encode()], dtype=object)))
         if flags["return_logprobs"]:
-            payload = json.dumps(self._logprobs_doc(out.token_ids if lps else [], lps or [])).encode()
+            payload = json.dumps(self._logprobs_doc(lp_ids if lps else [], lps or [], context or [])).encode()
             tensors.append(Tensor("logprobs", "BYTES", [1], np.array([payload], dtype=object)))
         return tensors
 
-    def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]]) -> dict[str, Any]:
-        """{"tokens": [text of each id], "logprobs": [[logprob, {alternative text: logprob}] or None]}:
-        the logprobs and prompt_logprobs outputs (None: a prompt's first token has no logprob)."""
-        def text(t: int) -> str:
-            return self.tokenizer.decode([t], skip_special_tokens=False)
+    def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]],
+                      context: Sequence[int]) -> dict[str, Any]:
+        """{"tokens": [text of each id], "logprobs": [[logprob, [[alternative text, logprob], ...]] or
+        None]}: the logprobs and prompt_logprobs outputs (None: a prompt's first token has no
+        logprob). A token's text is what it adds to the text after `context` and the ids before it
+        ('' for a byte that only starts a character, the whole character for the byte that ends it,
+        as vLLM); alternatives are decoded alone, best first."""
+        def ranked(top: dict[int, float] | None) -> list[list[Any]]:
+            return [[alone_text(self.tokenizer, t), v] for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])]
 
-        return {"tokens": [text(t) for t in ids],
-                "logprobs": [None if lp is None else [lp, {text(t): v for t, v in (top or {}).items()}]
-                             for lp, top in entries]}
+        return {"tokens": self._token_texts(ids, context),
+                "logprobs": [None if lp is None else [lp, ranked(top)] for lp, top in entries]}
+
+    def _token_texts(self, ids: Sequence[int], context: Sequence[int]) -> list[str]:
+        """Each token's text in place: decode a short window ending at it and take what it adds to
+        the window before it (whole characters only)."""
+        def text(window: list[int]) -> str:
+            return self.tokenizer.decode(window, skip_special_tokens=False).rstrip("\ufffd")
+
+        window = list(context[-_CONTEXT_TOKENS:])
+        before = text(window)
+        out: list[str] = []
+        for t in ids:
+            window.append(t)
+            after = text(window)
+            out.append(after[len(before):] if after.startswith(before) else alone_text(self.tokenizer, t))
+            before = after
+            if len(window) > 2 * _CONTEXT_TOKENS and after == self.tokenizer.decode(
+                    window, skip_special_tokens=False):  # no character pending: the window may slide
+                window = window[-_CONTEXT_TOKENS:]
+                before = text(window)
+        return out
 
     # ---- metrics -------------------------------------------------------------------------
 

@@ -76,6 +76,13 @@ def test_generate_and_generate_stream_agree(server: PierProcess) -> None:
     events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    # logprobs over generate, whole: one token text and one entry per generated token, the tokens
+    # spelling the text (they were the last delta's tokens beside every token's logprobs)
+    lp = generate(server, {"text_input": prompt, "exclude_input_in_output": True, "return_logprobs": True,
+                           "sampling_parameters": json.dumps({**GREEDY, "logprobs": 2})})
+    doc = json.loads(lp["logprobs"])
+    assert len(doc["tokens"]) == len(doc["logprobs"]) == GREEDY["max_tokens"], doc
+    assert "".join(doc["tokens"]) == lp["text_output"] == whole["text_output"]
 
 
 def test_generate_errors(server: PierProcess) -> None:
@@ -303,6 +310,25 @@ def test_openai_chat(oai) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+    # top_logprobs: as many as asked, best first, the greedy choice at the top (alternatives whose
+    # texts coincide are all there: a list, not an object keyed by text)
+    lp = oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
+                                     logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True})
+    for entry in lp.choices[0].logprobs.content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert len(values) == 20 and values == sorted(values, reverse=True)
+        assert entry.logprob == pytest.approx(values[0])
+
+
+def test_openai_logprob_tokens_of_multibyte_characters(oai) -> None:
+    """A character that spans several byte tokens: its last token carries it, the ones before it
+    carry '' (as vLLM), so the tokens spell the text and text_offset stays in step with it."""
+    prompt = "café ☕ ok"
+    ev = oai.completions.create(model="tiny_llama", prompt=prompt, max_tokens=1, temperature=0, logprobs=0, echo=True)
+    tokens = ev.choices[0].logprobs.tokens
+    assert not any("\ufffd" in t for t in tokens), tokens
+    assert prompt in "".join(tokens), tokens
+    assert any(t == "" for t in tokens), tokens  # the test tokenizer splits ☕ into bytes
 
 
 def test_openai_chat_shapes_clients_send(oai, server: PierProcess) -> None:

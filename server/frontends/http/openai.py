@@ -454,8 +454,8 @@ class OpenAIHandlers:
 
 def _chat_payload(doc: dict[str, Any], messages: list[Any]) -> tuple[Any, str]:
     """What the LLM backend's chat_messages input carries: the messages, or, when the request sets
-    template options (add_generation_prompt, continue_final_message, chat_template_kwargs), an
-    object with them; and the answer's role (as vLLM: the last message's without a generation prompt)."""
+    template options (add_generation_prompt, continue_final_message, chat_template_kwargs, tools),
+    an object with them; and the answer's role (as vLLM: the last message's without a generation prompt)."""
     if doc.get("chat_template") is not None:
         raise _BadRequest("a chat_template in the request is not supported: the model's template is used.",
                           "chat_template")
@@ -467,10 +467,16 @@ def _chat_payload(doc: dict[str, Any], messages: list[Any]) -> tuple[Any, str]:
             raise _BadRequest(f"{name} must be a boolean.", name)
     # the options' other checks (both true, kwargs not an object) are the backend's (_render_chat)
     role = "assistant" if add else str(messages[-1]["role"])
-    if add and not cont and not kwargs:
+    tools = doc.get("tools")  # only with tool_choice "none" here: rendered, as vLLM renders them by default
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise _BadRequest("tools must be a list of tool objects.", "tools")
+    if add and not cont and not kwargs and not tools:
         return messages, role
-    return {"messages": messages, "add_generation_prompt": add, "continue_final_message": cont,
-            "chat_template_kwargs": kwargs or {}}, role
+    payload = {"messages": messages, "add_generation_prompt": add, "continue_final_message": cont,
+               "chat_template_kwargs": kwargs or {}}
+    if tools:
+        payload["tools"] = tools
+    return payload, role
 
 
 def _prompt_part(payload: Any, keep_logprobs: bool) -> dict[str, Any] | None:
@@ -558,8 +564,10 @@ async def _merge(streams: list[tuple[dict[str, Any], AsyncGenerator[dict[str, An
 
 
 def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[str, Any] | None:
-    """The backend's per-delta {"tokens": [...], "logprobs": [[lp, {tok: lp}], ...]} in OpenAI's shapes
-    (completions: text offsets from `start`; each top_logprobs holds the chosen token too, as vLLM's)."""
+    """The backend's per-delta {"tokens": [...], "logprobs": [[lp, [[tok, lp], ...best first]], ...]} in
+    OpenAI's shapes. Chat: every alternative, best first. Completions: text offsets from `start`;
+    top_logprobs is a {token: logprob} object (alternatives whose texts coincide share a key, as in
+    vLLM's) that holds the chosen token too."""
     if not parts:
         return None
     tokens = [t for p in parts for t in p["tokens"]]
@@ -567,15 +575,17 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
     if chat:
         return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                              for t, v in (top or {}).items()]}
+                                              for t, v in top or []]}
                             for tok, (lp, top) in zip(tokens, entries)]}
     offsets, pos = [], start
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [None if lp is None else {**(top or {}), tok: lp} if tok not in (top or {}) else top
-                             for tok, (lp, top) in zip(tokens, entries)],
+    tops: list[dict[str, float] | None] = []
+    for tok, (lp, top) in zip(tokens, entries):
+        alternatives = {t: v for t, v in top or []}
+        tops.append(None if lp is None else alternatives if tok in alternatives else {**alternatives, tok: lp})
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
 

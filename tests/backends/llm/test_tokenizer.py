@@ -129,3 +129,16 @@ def test_a_character_cut_at_the_end_is_dropped(tok):
     detok.flush()
     text = detok.take(finished=True)
     assert "\ufffd" not in text and text == tok.decode(whole)
+
+
+def test_chat_template_sees_the_tools(llama_dir):
+    """Tools sent with tool_choice "none" reach a template that renders them (vLLM's default)."""
+    from backends.llm.backend import _render_chat
+
+    tok = Tokenizer(llama_dir)
+    tok.chat_template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _render_chat(tok, {"messages": msgs, "tools": [tool, tool]}) == "[get_weather;get_weather;]hi"
+    assert _render_chat(tok, msgs) == "hi"
