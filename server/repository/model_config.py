@@ -9,6 +9,7 @@ auto-complete on) inputs/outputs/max_batch_size read from the model itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -516,12 +517,21 @@ def batching_policy(config: mc.ModelConfig) -> BatchingPolicy | None:
         return None
     if config.WhichOneof("scheduling_choice") == "sequence_batching":  # across sequences, per the strategy
         sb = config.sequence_batching
-        oldest = sb.WhichOneof("strategy_choice") == "oldest"
+        if sb.WhichOneof("strategy_choice") == "oldest":
+            return BatchingPolicy(
+                max_batch_size=config.max_batch_size,
+                preferred_sizes=tuple(sb.oldest.preferred_batch_size),
+                max_queue_delay_us=sb.oldest.max_queue_delay_microseconds,
+                preserve_ordering=sb.oldest.preserve_ordering,
+                layout=BatchLayout.from_spec(build_spec(config)),
+            )
+        # direct: a batch runs as soon as `minimum_slot_utilization` of its slots hold a ready
+        # request (default 0: any one), else when max_queue_delay_microseconds expires
+        ready = max(1, math.ceil(sb.direct.minimum_slot_utilization * config.max_batch_size - 1e-9))
         return BatchingPolicy(
             max_batch_size=config.max_batch_size,
-            preferred_sizes=tuple(sb.oldest.preferred_batch_size) if oldest else (),
-            max_queue_delay_us=(sb.oldest if oldest else sb.direct).max_queue_delay_microseconds,
-            preserve_ordering=sb.oldest.preserve_ordering if oldest else False,
+            preferred_sizes=tuple(range(ready, config.max_batch_size + 1)) if ready > 1 else (),
+            max_queue_delay_us=sb.direct.max_queue_delay_microseconds if ready > 1 else 0,
             layout=BatchLayout.from_spec(build_spec(config)),
         )
     if config.WhichOneof("scheduling_choice") != "dynamic_batching":

@@ -18,10 +18,11 @@ import tritonclient.http as httpclient
 from scripts.build_example_models import ACCUMULATE_CONFIG, accumulate_model, write_model
 from tests.conftest import start_pier
 
-# The example model, with a short idle limit (for the release test) and room to batch.
+# The example model, with a short idle limit (for the release test) and room to batch: a batch
+# waits up to 3 ms for half its slots to hold a ready request.
 CONFIG = ACCUMULATE_CONFIG.replace("idle_microseconds: 60000000", "idle_microseconds: 700000").replace(
-    "max_queue_delay_microseconds: 1000", "max_queue_delay_microseconds: 3000")
-assert "700000" in CONFIG and "3000 }" in CONFIG
+    "max_queue_delay_microseconds: 1000", "max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5")
+assert "700000" in CONFIG and "0.5 }" in CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     auto = CONFIG.replace('name: "accumulate"', 'name: "auto_io"').split("sequence_batching")[1]
     write_model(repo, "auto_io", 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nsequence_batching' + auto,
                 accumulate_model())
+    for name, direct in (("long_delay", "direct { max_queue_delay_microseconds: 5000000 }"),
+                         ("full_slots", "direct { max_queue_delay_microseconds: 400000 minimum_slot_utilization: 1 }")):
+        config = CONFIG.replace('name: "accumulate"', f'name: "{name}"').replace(
+            "direct { max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5 }", direct)
+        assert direct in config
+        write_model(repo, name, config, accumulate_model())
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=repo.parent / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -207,3 +214,20 @@ def test_many_threads_one_sequence_run_in_order(server) -> None:
         futures.append(h.async_infer("accumulate", [i], sequence_id=500))
     outs = [float(f.get_result().as_numpy("OUTPUT")[0, 0]) for f in futures]
     assert sorted(outs) == [float(k) for k in range(1, 9)]
+
+
+def test_direct_strategy_waits_only_for_empty_slots(server) -> None:
+    """Triton's direct strategy: a batch runs once `minimum_slot_utilization` of its slots hold a
+    ready request (default 0: one is enough), so a lone sequence never waits out
+    max_queue_delay_microseconds; with every slot required, it does."""
+    h = httpclient.InferenceServerClient(server.http_url)
+
+    def one(model: str, seq: int) -> float:
+        i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+        i.set_data_from_numpy(np.array([[1.0]], np.float32))
+        start = time.perf_counter()
+        h.infer(model, [i], sequence_id=seq, sequence_start=True, sequence_end=True)
+        return time.perf_counter() - start
+
+    assert one("long_delay", 1) < 2.5  # a 5 s delay, not waited
+    assert one("full_slots", 2) >= 0.35  # 1 of 8 slots ready: waits the 0.4 s delay
