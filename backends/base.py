@@ -99,6 +99,15 @@ class Reschedule(list):  # type: ignore[type-arg]
 
 
 RESCHEDULE = Reschedule()
+
+
+class Outputs(list):  # type: ignore[type-arg]
+    """Output tensors that come with response parameters (Triton's InferenceResponse parameters:
+    bool, int or str values), which the response carries to the client."""
+
+    def __init__(self, tensors: list[Tensor], parameters: dict[str, bool | int | str]) -> None:
+        super().__init__(tensors)
+        self.parameters = parameters
 ExecuteResult = list[Tensor] | PierError
 
 

@@ -159,6 +159,9 @@ class DataPlane:
         if request.outputs:
             by_name = {t.name: t for t in outputs}
             outputs = [_as_requested(by_name[o.name], o, model.spec) for o in request.outputs if o.name in by_name]
+        model_params = getattr(result, "parameters", None)  # backends.base.Outputs: the model's own
+        if model_params:
+            parameters = {**model_params, **(parameters or {})}
         return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,
                                  parameters=parameters or {})
 
@@ -274,7 +277,7 @@ class DataPlane:
                 else:
                     params = {"triton_final_response": final}
                     try:
-                        response = self._response(model, request, list(item or []), batch, params)
+                        response = self._response(model, request, item or [], batch, params)
                     except PierError as exc:  # a classification the output's datatype cannot give
                         yield exc
                         return

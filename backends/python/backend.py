@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import json
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, Outputs
 from backends.python import triton_python_backend_utils as pb_utils
 from backends.python.bls import error_of, to_pb_request, to_pier_tensor
 from server.errors import internal, invalid_arg, unavailable
@@ -113,10 +114,23 @@ class PythonInstance(ModelInstance):
             return error_of(error)
         try:
             # as Triton: a tensor the config does not declare is not part of the response
-            return [to_pier_tensor(t, self._out_types[t.name()]) for t in response.output_tensors()
-                    if t.name() in self._out_types]
+            tensors = [to_pier_tensor(t, self._out_types[t.name()]) for t in response.output_tensors()
+                       if t.name() in self._out_types]
         except Exception as exc:
             return internal(f"python model '{self._spec.name}' returned an unusable tensor: {exc}")
+        raw = response.parameters()
+        if raw in ("", "{}"):
+            return tensors
+        try:
+            parameters = json.loads(raw)
+        except ValueError:
+            parameters = None
+        if not isinstance(parameters, dict) or not all(
+                isinstance(v, (bool, int, str)) and not (isinstance(v, int) and not -2**63 <= v < 2**63)
+                for v in parameters.values()):
+            return internal(f"python model '{self._spec.name}' returned response parameters that are not a "
+                            f"JSON object of bool, int or str values: {raw[:200]}")
+        return Outputs(tensors, parameters)
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
         pb_requests = [to_pb_request(r, self._out_names) for r in requests]

@@ -448,3 +448,16 @@ def test_rescheduling_without_iterative_sequences_fails_the_request(server: Pier
     assert "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE" in got["x"][1]
     assert "iterative_sequence" in got["x"][1]
     assert countdown_stream(server, "reschedule_dynamic", {"y": 1}) == {"y": [0]}
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_response_parameters_reach_the_client(server: PierProcess, mod) -> None:
+    """A python model's InferenceResponse(parameters=...) comes back in the response's parameters."""
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    result = client.infer("response_params_py", numpy_inputs(mod, {"IN": np.array([7], np.int32)}))
+    assert result.as_numpy("OUT").tolist() == [7]
+    if mod is httpclient:
+        assert result.get_response()["parameters"] == {"count": 7, "label": "seen", "ok": True}
+    else:
+        params = result.get_response().parameters
+        assert (params["count"].int64_param, params["label"].string_param, params["ok"].bool_param) == (7, "seen", True)
