@@ -298,7 +298,9 @@ class LLMInstance(ModelInstance):
                 # prompt logprobs come with a sequence's first output: keep them for its first response
                 if out.prompt_logprobs is not None:
                     pending_prompt_lp[out.index] = out.prompt_logprobs
-                emits = out.finished or (stream and bool(out.text or (flags["return_logprobs"] and out.logprobs)))
+                # streamed: a response per step that made tokens, its text empty while a character or
+                # a possible stop string is pending (as Triton's vLLM backend and vLLM's SSE streams)
+                emits = out.finished or (stream and bool(out.text or out.token_ids))
                 if emits and out.index in pending_prompt_lp:
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
                 if flags["return_logprobs"] and out.index not in context:

@@ -382,6 +382,7 @@ class OpenAIHandlers:
             return doc
 
         started: set[int] = set()
+        sent: dict[int, int] = {}  # completion tokens of each choice that chunks went out for
         offset: dict[int, int] = {}  # completions logprobs: characters of each choice's text so far
         item: dict[str, Any] | None = first
         try:
@@ -406,14 +407,15 @@ class OpenAIHandlers:
                         started.add(i)
                         await send(chunk([{"index": i, "delta": {"role": role, "content": ""},
                                            "logprobs": None, "finish_reason": None}]))
-                    delta = {"content": item["text"]} if item["text"] else {}
+                    delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
                     choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": item["finish_reason"],
                               "stop_reason": item["stop_reason"]}
                 else:
                     choice = {"index": i, "text": item["text"], "logprobs": logprobs,
                               "finish_reason": item["finish_reason"], "stop_reason": item["stop_reason"]}
-                if item["text"] or item["finish_reason"] or logprobs:
-                    await send(chunk([choice]))
+                if item["text"] or item["finish_reason"] or logprobs or item["completion_tokens"] > sent.get(i, 0):
+                    await send(chunk([choice]))  # a chunk per step that made tokens, as vLLM's
+                    sent[i] = item["completion_tokens"]
                 item = await anext(deltas, None)
             if include_usage:
                 await send(chunk([], final=True))
