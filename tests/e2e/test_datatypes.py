@@ -46,7 +46,8 @@ def _check(result_array: np.ndarray, expected: np.ndarray, datatype: str) -> Non
 @pytest.mark.parametrize("binary", [True, False])
 def test_http_round_trip(pier, datatype, binary):
     if datatype in ("FP16", "BF16") and not binary:
-        pytest.skip(f"{datatype} cannot travel as JSON (KServe: binary only); covered by the binary case")
+        pytest.skip(f"{datatype} inputs cannot travel as JSON (Triton refuses them too); JSON outputs: "
+                    "test_http_half_precision_output_as_json")
     data = sample(datatype)
     client = httpclient.InferenceServerClient(pier.http_url)
     inp = httpclient.InferInput("INPUT0", list(data.shape), datatype)
