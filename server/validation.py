@@ -181,7 +181,10 @@ def _check_shape(spec: ModelSpec, batching: bool, ts: TensorSpec, tensor: Tensor
                 f"{request_prefix(request)}inference request batch-size must be <= {spec.max_batch_size} "
                 f"for '{spec.name}'"
             )
-        if len(shape) != len(dims) + 1 or shape[0] < 1:
+        if shape and shape[0] < 1 and len(shape) == len(dims) + 1:
+            raise invalid_arg(f"{request_prefix(request)}inference request batch-size must be >= 1 for "
+                              f"'{spec.name}': input '{ts.name}' has shape {_fmt(shape)}")
+        if len(shape) != len(dims) + 1:
             raise _shape_error(spec, ts, tensor, request, [-1, *dims], note=True)
         batch = shape[0]
         lead = 1

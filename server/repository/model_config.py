@@ -9,6 +9,7 @@ auto-complete on) inputs/outputs/max_batch_size read from the model itself.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -65,9 +66,19 @@ def parse_config_json(text: str, source: str) -> mc.ModelConfig:
     proto field names or their lowerCamelCase forms."""
     config = mc.ModelConfig()
     try:
-        json_format.Parse(text, config)
-    except json_format.ParseError as exc:
-        raise invalid_arg(f"failed to parse model configuration {source}: {exc}") from None
+        doc = json.loads(text)
+    except RecursionError:
+        raise invalid_arg(f"failed to parse the model configuration in {source}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise invalid_arg(f"failed to parse the model configuration in {source}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise invalid_arg(f"failed to parse the model configuration in {source}: expected a JSON object "
+                          "(a ModelConfig)")
+    try:
+        json_format.ParseDict(doc, config)
+    except (json_format.ParseError, RecursionError) as exc:
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise invalid_arg(f"failed to parse the model configuration in {source}: {problem}") from None
     return config
 
 

@@ -95,6 +95,8 @@ HTTP_CASES = [
      _body(_inp("INPUT0", shape=(-1, 16), data=[]), _inp("INPUT1")), {}, 400, "negative dimension"),
     ("absurd shape", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(1, 10**15), data=[1]), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+    ("batch of zero", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", shape=(0, 16), data=[]), _inp("INPUT1")), {}, 400, "batch-size must be >= 1"),
     ("more than 64 dims", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(1,) * 65, data=[1]), _inp("INPUT1")), {}, 400, "at most 64 are supported"),
     ("unpaired surrogate", "POST", "/v2/models/simple/infer",

@@ -22,6 +22,7 @@ from server import __version__
 from server.data_plane import DataPlane
 from server.errors import ErrorCode, PierError
 from server.frontends.http import codec
+from server.frontends.json_data import json_type
 from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 # Body fields passed to the engine's sampling parameters (OpenAI's and vLLM's names).
@@ -114,7 +115,9 @@ class OpenAIHandlers:
             return models[0]
         if name is None and models:
             raise _BadRequest(f"'model' is required: this server serves {', '.join(models)}.", "model")
-        if not isinstance(name, str) or name not in models:
+        if name is not None and not isinstance(name, str):  # a malformed request, not an unknown model
+            raise _BadRequest(f"model must be a string, got {json_type(name)}.", "model")
+        if name not in models:
             raise _BadRequest(f"The model `{name}` does not exist. Models served here: {', '.join(models) or 'none'}.",
                               "model", 404)
         return name
