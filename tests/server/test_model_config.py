@@ -147,7 +147,7 @@ def _t(shape, name="IN", datatype="FP32"):
     (_req(_t((1, 2, 4), name="X")), "unexpected inference input 'X'"),
     (_req(), "missing required input(s) ['IN']"),
     (_req(_t((1, 2, 4)), outputs=("NOPE",)), "unexpected inference output 'NOPE'"),
-    (_req(_t((0, 2, 4))), "unexpected shape"),
+    (_req(_t((0, 2, 4))), "batch-size must be >= 1"),
 ])
 def test_request_validation(request_, fragment):
     with pytest.raises(PierError) as err:
