@@ -64,6 +64,21 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 480.0, 960.0, 1920.0, 7680.0)
 
 
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def _one_two_five(limit: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class _Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -197,6 +212,24 @@ class LLMInstance(ModelInstance):
         self._ttft = _Histogram(_TTFT_BUCKETS)
         self._itl = _Histogram(_ITL_BUCKETS)
         self._e2e = _Histogram(_E2E_BUCKETS)
+        tokens = _one_two_five(self.engine.max_model_len)
+        # per finished sequence, as vLLM's request-level histograms (name -> (help, histogram))
+        self._per_request = {
+            "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
+                                                _Histogram(_E2E_BUCKETS)),
+            "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
+                                                    _Histogram(_E2E_BUCKETS)),
+            "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
+                                                  _Histogram(_E2E_BUCKETS)),
+            "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
+                                                 _Histogram(_E2E_BUCKETS)),
+            "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                                           _Histogram(_ITL_BUCKETS)),
+            "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", _Histogram(tokens)),
+            "vllm:request_generation_tokens": ("Number of generation tokens processed.", _Histogram(tokens)),
+            "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.", _Histogram(tokens)),
+            "vllm:request_params_n": ("Histogram of the n request parameter.", _Histogram(_N_BUCKETS)),
+        }
         self._requests_ok = 0
         self._requests_aborted = 0
 
@@ -294,6 +327,8 @@ class LLMInstance(ModelInstance):
                     last_token_at[out.index] = now
                 if out.finished:
                     remaining -= 1
+                    if out.finish_reason != "abort":
+                        self._observe_finished(out, sampling)
                 final = remaining <= 0
                 # prompt logprobs come with a sequence's first output: keep them for its first response
                 if out.prompt_logprobs is not None:
@@ -337,6 +372,30 @@ class LLMInstance(ModelInstance):
             sink(internal(f"LLM engine error: {type(exc).__name__}: {exc}"), True)
         finally:
             watcher.cancel()
+
+    def _observe_finished(self, out: Any, sampling: Any) -> None:
+        """vLLM's request-level histograms, for a sequence that finished (not aborted); the request's
+        parameters once, with its first sequence."""
+        h = {name: hist for name, (_, hist) in self._per_request.items()}
+        if out.index == 0:
+            h["vllm:request_params_n"].observe(sampling.n)
+            if sampling.max_tokens is not None:
+                h["vllm:request_params_max_tokens"].observe(sampling.max_tokens)
+        h["vllm:request_prompt_tokens"].observe(out.prompt_tokens)
+        h["vllm:request_generation_tokens"].observe(out.completion_tokens)
+        m = out.metrics
+        if m is None or m.first_scheduled_time is None:
+            return
+        end = m.finished_time or m.last_token_time or m.first_scheduled_time
+        h["vllm:request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
+        h["vllm:request_inference_time_seconds"].observe(end - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            h["vllm:request_prefill_time_seconds"].observe(m.first_token_time - m.first_scheduled_time)
+            last = m.last_token_time or m.first_token_time
+            h["vllm:request_decode_time_seconds"].observe(last - m.first_token_time)
+            if out.completion_tokens > 1:
+                h["vllm:request_time_per_output_token_seconds"].observe(
+                    (last - m.first_token_time) / (out.completion_tokens - 1))
 
     @staticmethod
     async def _watch_cancel(request: InferenceRequest, task: asyncio.Task | None) -> None:
@@ -442,6 +501,8 @@ class LLMInstance(ModelInstance):
             ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self._itl),
             ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self._e2e),
         ):
+            family(name, "histogram", help_text, hist.render(name, labels))
+        for name, (help_text, hist) in self._per_request.items():
             family(name, "histogram", help_text, hist.render(name, labels))
         return "".join(parts)
 

@@ -556,3 +556,21 @@ def test_llm_metrics_are_exported(server: PierProcess) -> None:
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:inter_token_latency_seconds_count"):
         assert f'{name}{{model_name="tiny_llama"' in text, name
+
+
+def test_request_level_histograms(server: PierProcess) -> None:
+    """vLLM's per-request histograms (Grafana's vLLM dashboard reads them): one finished request of
+    5 generated tokens adds one observation to each, with the right token counts."""
+    def metric(name: str) -> float:
+        return _metric(server, name)
+
+    names = ("vllm:request_generation_tokens_sum", "vllm:request_generation_tokens_count",
+             "vllm:request_params_max_tokens_sum", "vllm:request_params_n_count",
+             "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+             "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+             "vllm:request_time_per_output_token_seconds_count", "vllm:request_prompt_tokens_count")
+    before = {n: metric(n) for n in names}
+    generate(server, {"text_input": "count me", "sampling_parameters": json.dumps({**GREEDY, "max_tokens": 5})})
+    delta = {n: metric(n) - before[n] for n in names}
+    assert delta["vllm:request_generation_tokens_sum"] == 5 and delta["vllm:request_params_max_tokens_sum"] == 5
+    assert all(v == 1 for n, v in delta.items() if n.endswith("_count")), delta
