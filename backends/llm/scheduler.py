@@ -105,9 +105,17 @@ class Scheduler:
             i += 1
         return budget
 
+    def _seats(self) -> int:
+        """Sequences running, counting the children a request forks once its prompt is in (n > 1),
+        so that max_num_seqs bounds what runs together after the forks too."""
+        return sum(1 + s.pending_forks for s in self.running)
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self._seats()
+        while self.swapped and budget > 0:
             seq = self.swapped[0]
+            if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
+                break
             sb = self.kv.seqs[seq.seq_id]
             assert sb.cpu_blocks is not None
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
@@ -120,14 +128,18 @@ class Scheduler:
             assert copies is not None  # room was checked above
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + seq.pending_forks
             self._emit(seq, num_new, out)
             budget -= num_new
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self._seats()
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
+                break
             cached, keys = ([], []) if seq.wants_prompt_logprobs else self.kv.computed_prefix(seq.seq_id,
                                                                                                seq.token_ids)
             num_cached = len(cached) * bs
@@ -142,6 +154,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
+            seats += 1 + seq.pending_forks
             self._emit(seq, num_new, out)
             budget -= num_new
 

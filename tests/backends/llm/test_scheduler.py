@@ -78,3 +78,17 @@ def test_prefix_hit_skips_cached_blocks():
     assert sb.start_pos == 8 and sb.token_ids == [18, 19, 99]  # two full blocks reused
     assert sch.kv.block_table("b#0")[:2] == sch.kv.block_table("a#0")[:2]
     assert sch.kv.prefix_hits == 8
+
+
+def test_max_num_seqs_counts_the_children_a_request_forks():
+    """n > 1: the request takes n seats of max_num_seqs when admitted (its children fork after the
+    prompt), so what runs together never passes the limit."""
+    sch = make(max_num_seqs=4)
+    a, b, c = seq("a", 3), seq("b", 3, first=50), seq("c", 3, first=90)
+    a.pending_forks = 2  # n = 3
+    b.pending_forks = 2
+    for s in (a, b, c):
+        sch.add(s)
+    out = sch.schedule()
+    assert [s.seq_id for s in out.scheduled] == ["a#0"]  # 3 seats taken; b needs 3 more: it (and c, FIFO) waits
+    assert b.status is SeqStatus.WAITING and c.status is SeqStatus.WAITING
