@@ -91,7 +91,9 @@ def test_generate_errors(server: PierProcess) -> None:
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/generate_stream", timeout=30,
                       json={"text_input": "x", "sampling_parameters": "{not json"})
-    assert r.status_code == 400 and "sampling_parameters" in r.json()["error"]
+    # the model's refusal, as its first response: 400 with the error as the stream's one event (Triton)
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert r.status_code == 400 and len(events) == 1 and "sampling_parameters" in events[0]["error"], r.text
     r = requests.post(f"{server.base()}/v2/models/tiny_llama/infer", timeout=30,
                       json={"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
     assert r.status_code == 501 and "decoupled transaction policy" in r.json()["error"]  # as Triton

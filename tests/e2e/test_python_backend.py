@@ -461,3 +461,26 @@ def test_response_parameters_reach_the_client(server: PierProcess, mod) -> None:
     else:
         params = result.get_response().parameters
         assert (params["count"].int64_param, params["label"].string_param, params["ok"].bool_param) == (7, "seen", True)
+
+
+def test_generate_shapes_values_to_the_model_and_reports_model_errors(server: PierProcess) -> None:
+    """Triton's generate extension on a model with [1, 1] inputs (Triton's qa mock_llm): values are
+    shaped to the model's dims; an input given twice is refused; a model whose first response is an
+    error answers generate_stream with 400 and that error as the one event."""
+    url = f"{server.base()}/v2/models/mock_llm"
+    r = requests.post(f"{url}/generate", json={"PROMPT": "hello world", "STREAM": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["TEXT"] == "hello world", r.text
+    r = requests.post(f"{url}/generate_stream", json={"PROMPT": "hi", "STREAM": True, "REPETITION": 3}, timeout=30)
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert r.status_code == 200 and [e["TEXT"] for e in events] == ["hi"] * 3, r.text
+    r = requests.post(f"{url}/generate", data=b'{"PROMPT": "hello", "STREAM": false, "PROMPT": "duplicate"}',
+                      timeout=30)
+    assert r.status_code == 400 and "input 'PROMPT' already exists in request" in r.json()["error"], r.text
+    r = requests.post(f"{url}/generate_stream", timeout=30,
+                      json={"PROMPT": "x", "STREAM": True, "REPETITION": 0, "FAIL_LAST": True})
+    assert r.status_code == 400 and r.headers["Content-Type"].startswith("text/event-stream"), r.text
+    assert [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")] == \
+        [{"error": "An Error Occurred"}]
+    r = requests.post(f"{url}/generate_stream", timeout=30,  # refused before it runs: a plain JSON error
+                      json={"PROMPT": "x"})
+    assert r.status_code == 400 and r.headers["Content-Type"].startswith("application/json"), r.text

@@ -131,8 +131,11 @@ class HttpHandlers:
 
     async def _generate_request(self, request: web.Request) -> InferenceRequest:
         model, version = request.match_info["model"], _version(request)
-        doc = await self._body(request, "generate")
+        raw = await codec.read_body(request, self.max_json_size, json_only=True)
+        doc = codec.parse_json(raw) if raw.strip() else {}
         metadata = self.plane.model_metadata(model, version)
+        if isinstance(doc, dict):
+            generate.check_duplicate_inputs(raw, metadata)
         batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
         return generate.decode(model, version, doc, metadata, batching)
 
@@ -155,17 +158,17 @@ class HttpHandlers:
         return _json(generate.encode(answer))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events, one `data: {json}` per response; errors before the first response
-        are ordinary JSON errors, later ones `data: {"error": ...}`."""
+        """Server-sent events, one `data: {json}` per response; a refused request is an ordinary
+        JSON error, a model's error `data: {"error": ...}` (as the first response: status 400)."""
         stream = self.plane.infer_stream(await self._generate_request(request))
         try:
             first = await anext(stream)
         except StopAsyncIteration:
             raise PierError(ErrorCode.INTERNAL, "the model sent no response") from None
-        if isinstance(first, PierError):
-            await stream.aclose()
-            raise first
-        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+        # As Triton: a request refused before it runs is a plain JSON error (raised above); a model
+        # whose first response is an error answers 400 with that error as the stream's one event.
+        reply = web.StreamResponse(status=400 if isinstance(first, PierError) else 200,
+                                   headers={"Content-Type": "text/event-stream; charset=utf-8",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(request)
         try:
@@ -179,6 +182,8 @@ class HttpHandlers:
                     doc = generate.encode(item)
                 if doc:
                     await reply.write(b"data: " + orjson.dumps(doc) + b"\n\n")
+                if reply.status != 200:
+                    break
                 try:
                     item = await anext(stream)
                 except StopAsyncIteration:

@@ -6,6 +6,8 @@ output (single-element arrays unwrapped, BYTES as text); the stream is server-se
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,44 @@ from server.types import InferenceRequest, InferenceResponse, Tensor
 from server.validation import check_parameters
 
 
-def _tensor(name: str, datatype: str, value: Any, batching: bool) -> Tensor:
+def check_duplicate_inputs(raw: bytes, metadata: dict[str, Any]) -> None:
+    """As Triton: an input given twice at the top of the request is an error (JSON parsers keep the
+    last one silently). Generate bodies are small: a second, checking parse is cheap."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        return {"": [k for k, _ in items]}
+
+    try:
+        keys = json.loads(raw, object_pairs_hook=pairs)[""]
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return  # the first parse accepted it: nothing more to learn here
+    names = {i["name"] for i in metadata["inputs"]}
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen and key in names:
+            raise invalid_arg(f"input '{key}' already exists in request")
+        seen.add(key)
+
+
+def _shape(dims: list[int], count: int, batching: bool) -> list[int]:
+    """The tensor shape for `count` values: the model's dims (batch dim 1), a variable dim taking what
+    the fixed ones leave (Triton shapes generate values to the config); flat when they cannot fit."""
+    shape = list(dims)
+    if batching and shape:
+        shape[0] = 1
+    free = [i for i, d in enumerate(shape) if d < 0]
+    fixed = 1
+    for d in shape:
+        fixed *= d if d >= 0 else 1
+    if free and fixed and count % fixed == 0:
+        for i in free[:-1]:
+            shape[i] = 1
+        shape[free[-1]] = count // fixed
+    if math.prod(shape) != count:
+        return [1, count] if batching else [count]
+    return shape
+
+
+def _tensor(name: str, datatype: str, value: Any, batching: bool, dims: list[int]) -> Tensor:
     values = value if isinstance(value, list) else [value]
     try:
         if datatype == "BYTES":
@@ -36,8 +75,7 @@ def _tensor(name: str, datatype: str, value: Any, batching: bool) -> Tensor:
             data = np.array(values, dtype=dtype)
     except (ValueError, OverflowError) as exc:
         raise invalid_arg(f"generate: input '{name}' ({datatype}): {exc}") from None
-    if batching:
-        data = data.reshape(1, -1)
+    data = data.reshape(_shape(dims, data.size, batching))
     return Tensor(name, datatype, list(data.shape), data)
 
 
@@ -45,6 +83,7 @@ def decode(model: str, version: str, doc: Any, metadata: dict[str, Any], batchin
     if not isinstance(doc, dict):
         raise invalid_arg("the generate request must be a JSON object")
     datatypes = {i["name"]: i["datatype"] for i in metadata["inputs"]}
+    dims = {i["name"]: list(i["shape"]) for i in metadata["inputs"]}
     extra = doc.get("parameters", {})
     if not isinstance(extra, dict):
         raise invalid_arg("generate: 'parameters' must be a JSON object")
@@ -53,7 +92,9 @@ def decode(model: str, version: str, doc: Any, metadata: dict[str, Any], batchin
     for source in ({k: v for k, v in doc.items() if k not in ("id", "parameters")}, extra):
         for key, value in source.items():
             if key in datatypes:
-                tensors[key] = _tensor(key, datatypes[key], value, batching)
+                if key in tensors:  # top level and in `parameters`
+                    raise invalid_arg(f"input '{key}' already exists in request")
+                tensors[key] = _tensor(key, datatypes[key], value, batching, dims[key])
             else:
                 params[key] = value
     check_parameters(params)
