@@ -295,9 +295,10 @@ class EnsembleScheduler(Scheduler):
         for model_input, tensor in step.inputs:
             t = tensors[tensor]
             inputs.append(Tensor(model_input, t.datatype, list(t.shape), t.data))
-        params = {k: v for k, v in request.parameters.items() if k in ("priority", "timeout")}
+        # As Triton: every step gets the request's parameters (its own and the protocol's: priority,
+        # timeout, sequence flags), so that a composing model reads what the client sent.
         return InferenceRequest(step.model, step.version, inputs, [RequestedOutput(o) for o, _ in step.outputs],
-                                id=request.id, parameters=params)
+                                id=request.id, parameters=dict(request.parameters))
 
     def inflight_count(self) -> int:
         return self._inflight

@@ -39,6 +39,18 @@ ensemble_scheduling { step [
 """
 
 
+# One step that reports the parameters it was given (Triton's parameter-forwarding qa case).
+ARGS_ENSEMBLE = """name: "args_ensemble"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "MODEL" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "ARGS" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "request_args_py" input_map { key: "MODEL" value: "MODEL" } output_map { key: "ARGS" value: "ARGS" } }
+] }
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     repo = tmp_path_factory.mktemp("py") / "repo"
@@ -46,6 +58,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     (repo / "square_double" / "1").mkdir(parents=True)
     (repo / "square_double" / "config.pbtxt").write_text(SQUARE_DOUBLE)
+    (repo / "args_ensemble" / "1").mkdir(parents=True)
+    (repo / "args_ensemble" / "config.pbtxt").write_text(ARGS_ENSEMBLE)
     # the iterative model with a scheduler that cannot reschedule (Triton's unsupported case)
     shutil.copytree(repo / "iterative_countdown", repo / "reschedule_dynamic")
     config = (repo / "reschedule_dynamic" / "config.pbtxt").read_text()
@@ -484,3 +498,13 @@ def test_generate_shapes_values_to_the_model_and_reports_model_errors(server: Pi
     r = requests.post(f"{url}/generate_stream", timeout=30,  # refused before it runs: a plain JSON error
                       json={"PROMPT": "x"})
     assert r.status_code == 400 and r.headers["Content-Type"].startswith("application/json"), r.text
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_ensemble_steps_get_the_request_parameters(server: PierProcess, mod) -> None:
+    """As Triton (qa L0_parameters): the parameters a client sends an ensemble reach its steps."""
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    inp = mod.InferInput("MODEL", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
+    result = client.infer("args_ensemble", [inp], parameters={"key1": "value1", "key2": 2})
+    assert json.loads(result.as_numpy("ARGS")[0])["parameters"] == {"key1": "value1", "key2": 2}
