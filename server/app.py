@@ -66,7 +66,8 @@ class PierServer:
 
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size,
-                            restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics)
+                            restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics,
+                            s.http_header_forward_pattern)
             await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
@@ -75,7 +76,8 @@ class PierServer:
                 self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size,
                                                      s.grpc_options, s.reuse_grpc_port, s.grpc_ssl,
                                                      restrictions.parse(s.grpc_restricted_protocol,
-                                                                        "--grpc-restricted-protocol"))
+                                                                        "--grpc-restricted-protocol"),
+                                                     s.grpc_header_forward_pattern)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")

@@ -4,6 +4,7 @@ and accept tritonserver's `--flag=value` spelling (booleans: true/false/1/0)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -79,6 +80,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="answer these API categories only to requests with header KEY: VALUE (repeatable)")
     flag("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
          help="the same for gRPC (clients send the header as triton-grpc-protocol-KEY)")
+    flag("--http-header-forward-pattern", default="", metavar="REGEX",
+         help="HTTP headers whose names match become string parameters of each inference request")
+    flag("--grpc-header-forward-pattern", default="", metavar="REGEX",
+         help="the same for gRPC request metadata")
     for name in GRPC_OPTIONS:
         flag(f"--{name}", type=_bool if name.endswith("permit-without-calls") else int, default=None)
     for name in IGNORED_FLAGS:  # so tritonserver command lines run unchanged; logged at startup
@@ -106,7 +111,7 @@ IGNORED_FLAGS = (
     "buffer-manager-thread-count", "host-policy", "rate-limit", "rate-limit-resource",
     "cache-directory", "http-thread-count", "grpc-infer-allocation-pool-size",
     "grpc-max-response-pool-size", "grpc-infer-response-compression-level", "model-load-retry-count",
-    "http-header-forward-pattern", "grpc-header-forward-pattern", "allow-sagemaker", "allow-vertex-ai",
+    "allow-sagemaker", "allow-vertex-ai",
     "model-namespacing",
 )
 
@@ -166,6 +171,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             restrictions.parse(specs, flag_name)
         except ValueError as exc:
             parser.error(str(exc))
+    for flag_name, pattern in (("--http-header-forward-pattern", args.http_header_forward_pattern),
+                               ("--grpc-header-forward-pattern", args.grpc_header_forward_pattern)):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            parser.error(f"{flag_name} {pattern!r}: not a regular expression ({exc})")
     from server.response_cache import parse_cache_config
 
     try:
@@ -211,6 +222,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         http_restricted_api=tuple(args.http_restricted_api),
         response_cache_bytes=cache_bytes,
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
+        http_header_forward_pattern=args.http_header_forward_pattern,
+        grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         reuse_http_port=args.reuse_http_port,
         reuse_grpc_port=args.reuse_grpc_port,
         grpc_ssl=_grpc_ssl(args, parser),

@@ -48,6 +48,8 @@ class Settings:
     response_cache_bytes: int = 0  # --cache-config local,size=: 0 = no response cache
     http_restricted_api: tuple[str, ...] = ()  # "CATEGORIES:KEY=VALUE" items (server/restrictions.py)
     grpc_restricted_protocol: tuple[str, ...] = ()
+    http_header_forward_pattern: str = ""  # headers whose names match become request parameters
+    grpc_header_forward_pattern: str = ""  # the same for gRPC metadata
     ignored_flags: tuple[str, ...] = ()  # tritonserver flags accepted with no effect (logged at startup)
 
 

@@ -3,7 +3,9 @@ Triton's wording, and map tensors between API shapes and framework shapes (`resh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from server.errors import PierError, invalid_arg
 from server.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
@@ -18,6 +20,18 @@ _BATCH_NOTE = (
 
 # Keys a client may send although they carry the reserved prefix (Triton accepts these).
 _ALLOWED_TRITON_KEYS = frozenset({"triton_enable_empty_final_response"})
+
+
+def forward_headers(pattern: re.Pattern[str] | None, headers: Iterable[tuple[str, str]],
+                    params: dict[str, Any]) -> None:
+    """--http/grpc-header-forward-pattern: headers whose names the pattern matches (anywhere in the
+    name, as Triton's RE2 partial match) become string parameters of the request, unless the
+    request names that parameter itself."""
+    if pattern is None:
+        return
+    for name, value in headers:
+        if isinstance(value, str) and name not in params and pattern.search(name) and not name.startswith("triton_"):
+            params[name] = value
 
 
 def check_parameters(params: dict[str, object]) -> None:

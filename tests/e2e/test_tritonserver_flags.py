@@ -4,6 +4,7 @@ in a startup warning)."""
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
@@ -178,3 +180,29 @@ def test_restriction_flags_are_checked() -> None:
         proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
                                f"--http-restricted-api={spec}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and text in proc.stderr, (spec, proc.stderr)
+
+
+def test_header_forward_patterns_make_headers_parameters(tmp_path: Path) -> None:
+    """--http/grpc-header-forward-pattern (Triton's qa L0_parameters with TEST_HEADER): headers whose
+    names match reach the model as request parameters; others do not; a parameter the request
+    sends itself wins."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tests" / "python_models" / "request_args_py", repo / "request_args_py")
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    server = start_pier([repo], "--http-header-forward-pattern=my_header.*",
+                        "--grpc-header-forward-pattern=my_header.*", log_path=tmp_path / "log")
+    headers = {"header_1": "value_1", "my_header_1": "my_value_1", "my_header_2": 'a "quoted" one\\ '}
+    try:
+        for mod, url in ((httpclient, server.http_url), (grpcclient, server.grpc_url)):
+            client = mod.InferenceServerClient(url)
+            inp = mod.InferInput("MODEL", [1], "BYTES")
+            inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
+            result = client.infer("request_args_py", [inp], headers=dict(headers),  # httpclient adds to it
+                                  parameters={"p": 1, "my_header_2": "sent"})
+            seen = json.loads(result.as_numpy("ARGS")[0])["parameters"]
+            assert seen == {"p": 1, "my_header_1": "my_value_1", "my_header_2": "sent"}, (mod.__name__, seen)
+    finally:
+        assert server.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={repo}",
+                          "--http-header-forward-pattern=("], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "not a regular expression" in bad.stderr, bad.stderr

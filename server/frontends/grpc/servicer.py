@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from server.protocol import grpc_service_pb2_grpc as pb_grpc
 from server.protocol import health_pb2, health_pb2_grpc
 from server.settings import GrpcSsl
 from server.types import InferenceRequest
+from server.validation import forward_headers
 
 log = logging.getLogger("pier.grpc")
 
@@ -108,9 +110,17 @@ def _repository_parameters(params: Any) -> dict[str, Any]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane, control: ControlPlane) -> None:
+    def __init__(self, plane: DataPlane, control: ControlPlane, header_pattern: str = "") -> None:
         self.plane = plane
         self.control = control
+        # --grpc-header-forward-pattern: metadata that becomes request parameters
+        self.header_pattern = re.compile(header_pattern) if header_pattern else None
+
+    def _decode(self, request: pb.ModelInferRequest, context: Any) -> InferenceRequest:
+        decoded = codec.decode_request(request, self.plane.shared_memory)
+        if self.header_pattern is not None:
+            forward_headers(self.header_pattern, context.invocation_metadata() or (), decoded.parameters)
+        return decoded
 
     @_translate
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -174,19 +184,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         shm = self.plane.shared_memory
         if self.plane.tracer.on:
-            return await self._infer_one(request, time.perf_counter_ns())
-        infer_request = codec.decode_request(request, shm)
+            return await self._infer_one(request, time.perf_counter_ns(), self._decode(request, context))
+        infer_request = self._decode(request, context)
         if infer_request.shm_regions:
             return await self._infer_one(request, 0, infer_request)
         return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
 
     async def _infer_one(self, request: pb.ModelInferRequest, received: int,
-                         infer_request: InferenceRequest | None = None) -> pb.ModelInferResponse:
+                         infer_request: InferenceRequest) -> pb.ModelInferResponse:
         """ModelInfer with what the plain path skips: Triton's gRPC trace timestamps (the request
         was read before the handler ran) and holding the shared-memory regions it names."""
         shm = self.plane.shared_memory
-        if infer_request is None:
-            infer_request = codec.decode_request(request, shm)
         trace = self.plane.tracer.begin(infer_request, "GRPC", received) if received else None
         with shm.holding(infer_request.shm_regions):
             response = await self.plane.infer(infer_request)
@@ -218,7 +226,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 try:
                     received = time.perf_counter_ns() if self.plane.tracer.on else 0
-                    request = codec.decode_request(req, self.plane.shared_memory)
+                    request = self._decode(req, context)
                     decoupled = self.plane.is_decoupled(request.model_name, request.model_version)
                 except PierError as exc:
                     await after
@@ -369,8 +377,8 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
 async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str, max_message_bytes: int,
                             options: Sequence[tuple[str, int]] = (), reuse_port: bool = False,
-                            ssl: GrpcSsl | None = None, restricted: restrictions.Rules | None = None
-                            ) -> grpc.aio.Server:
+                            ssl: GrpcSsl | None = None, restricted: restrictions.Rules | None = None,
+                            header_pattern: str = "") -> grpc.aio.Server:
     """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), `ssl`
     serves TLS (mutual: client certificates must chain to its root certificate), `restricted`
     names protocol categories that need a header (--grpc-restricted-protocol)."""
@@ -381,7 +389,8 @@ async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: st
         ("grpc.so_reuseport", int(reuse_port)),
         *options,
     ])
-    _add_service(server, InferenceServicer(plane, control), pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
+    _add_service(server, InferenceServicer(plane, control, header_pattern),
+                 pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
     _add_service(server, HealthServicer(plane), health_pb2.DESCRIPTOR.services_by_name["Health"])
     if ssl is not None:
         credentials = grpc.ssl_server_credentials(

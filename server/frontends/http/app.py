@@ -4,6 +4,7 @@ DataPlane -> wire. Unknown paths answer 404 {"error":"Not Found"}, wrong verbs 4
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +18,7 @@ from server.errors import ErrorCode, PierError, invalid_arg
 from server.frontends.http import codec, generate, openai
 from server.frontends.http.errors import error_response, from_error
 from server.types import InferenceRequest, InferenceResponse
+from server.validation import forward_headers
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -39,10 +41,12 @@ def _version(request: web.Request) -> str:
 
 
 class HttpHandlers:
-    def __init__(self, plane: DataPlane, control: ControlPlane, max_json_size: int) -> None:
+    def __init__(self, plane: DataPlane, control: ControlPlane, max_json_size: int,
+                 header_pattern: re.Pattern[str] | None = None) -> None:
         self.plane = plane
         self.control = control
         self.max_json_size = max_json_size
+        self.header_pattern = header_pattern  # --http-header-forward-pattern
 
     # Health answers as Triton 2.51's (probed): text/plain, empty when ready.
     async def live(self, request: web.Request) -> web.Response:
@@ -137,7 +141,9 @@ class HttpHandlers:
         if isinstance(doc, dict):
             generate.check_duplicate_inputs(raw, metadata)
         batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
-        return generate.decode(model, version, doc, metadata, batching)
+        generated = generate.decode(model, version, doc, metadata, batching)
+        forward_headers(self.header_pattern, request.headers.items(), generated.parameters)
+        return generated
 
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer. As in Triton, the model must produce exactly one response (a decoupled
@@ -250,6 +256,7 @@ class HttpHandlers:
             infer_request = codec.decode_raw_request(model, version, metadata, batching, body)
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
+        forward_headers(self.header_pattern, request.headers.items(), infer_request.parameters)
         trace = self.plane.tracer.begin(infer_request, "HTTP", received)
         with self.plane.shared_memory.holding(infer_request.shm_regions):
             response = await self.plane.infer(infer_request)
@@ -311,13 +318,14 @@ MAX_BODY_BYTES = (1 << 31) - 1
 
 def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
               restricted: restrictions.Rules | None = None,
-              metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None) -> web.Application:
+              metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
+              header_pattern: str = "") -> web.Application:
     """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api);
     `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
     scrape jobs written for vLLM work)."""
     middlewares = [error_middleware] + ([restrictions.http_middleware(restricted)] if restricted else [])
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
-    h = HttpHandlers(plane, control, max_input_size)
+    h = HttpHandlers(plane, control, max_input_size, re.compile(header_pattern) if header_pattern else None)
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
     r = app.router
