@@ -107,6 +107,10 @@ def build_test_repository(root: Path) -> Path:
             f'output [ {{ name: "OUTPUT0" data_type: {config_type} dims: [ -1 ] }} ]\n'
         )
         write_model(repo, name, config, identity_model(dt, [-1, -1]))
+    one = ('name: "bytes_one"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 0\n'  # one string, no batching
+           'input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+           'output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n')
+    write_model(repo, "bytes_one", one, identity_model("BYTES", [1]))
     return repo
 
 

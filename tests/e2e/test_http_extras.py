@@ -27,6 +27,19 @@ def test_raw_binary_request(pier):
     np.testing.assert_array_equal(np.frombuffer(r.content[n:], dtype=np.float32), x)
 
 
+def test_raw_binary_bytes_request_is_one_element(pier):
+    """As Triton (qa L0_http test_byte): for a BYTES input of shape [1] the raw body is the one
+    element, with no length prefix; other BYTES shapes cannot be deduced."""
+    r = requests.post(f"{pier.base()}/v2/models/bytes_one/infer", data=b"427",
+                      headers={"Inference-Header-Content-Length": "0"}, timeout=10)
+    assert r.status_code == 200, r.text
+    n = int(r.headers["Inference-Header-Content-Length"])
+    assert r.content[n:] == struct.pack("<I", 3) + b"427"
+    r = requests.post(f"{pier.base()}/v2/models/roundtrip_bytes/infer", data=b"427",
+                      headers={"Inference-Header-Content-Length": "0"}, timeout=10)
+    assert r.status_code == 400 and "the model must have input shape [1]" in r.json()["error"], r.text
+
+
 def test_raw_binary_request_needs_a_single_input_model(pier):
     r = requests.post(f"{pier.base()}/v2/models/simple/infer", data=b"\0" * 64,
                       headers={"Inference-Header-Content-Length": "0"}, timeout=10)

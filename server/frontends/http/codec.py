@@ -175,13 +175,25 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
     shape = list(spec["shape"])
     if batching:
         shape[0] = 1
+    prefix = "[request id: <id_unknown>] "
+    if datatype == "BYTES":  # as Triton: the body is the one element, with no length prefix
+        if shape[1 if batching else 0:] != [1]:
+            raise invalid_arg(f"{prefix}For BYTE datatype raw input '{name}', the model must have input shape [1]")
+        data = np.empty(1, dtype=np.object_)
+        data[0] = body
+        data = data.reshape(shape)
+        return InferenceRequest(model, version, [Tensor(name, datatype, shape, data)], [], "",
+                                {"binary_data_output": True})
     variable = [i for i, d in enumerate(shape) if d == -1]
+    if len(variable) > 1:
+        raise invalid_arg(f"{prefix}The shape of the raw input '{name}' can not be deduced because there are more "
+                          "than one variable-sized dimension")
     if variable:
         size = element_size(datatype)
         known = math.prod(d for d in shape if d != -1)
-        if datatype == "BYTES" or len(variable) > 1 or size is None or known == 0 or len(body) % (known * size):
+        if size is None or known == 0 or len(body) % (known * size):
             raise invalid_arg(
-                f"cannot infer the shape {shape} of input '{name}' from a raw binary body of {len(body)} bytes"
+                f"{prefix}cannot infer the shape {shape} of input '{name}' from a raw binary body of {len(body)} bytes"
             )
         shape[variable[0]] = len(body) // (known * size)
     data = from_raw(memoryview(body), datatype, shape, name, model)
