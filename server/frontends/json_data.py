@@ -48,7 +48,11 @@ def array_from_json(data: Any, datatype: str, shape: list[int], name: str) -> np
     try:
         raw = np.asarray(data)
     except (ValueError, TypeError, RecursionError):
-        raise invalid_arg(f"unable to parse 'data' of input '{name}': arrays must be regular (not ragged)") from None
+        depth, first = 0, data
+        while isinstance(first, list) and first and depth <= 64:
+            first, depth = first[0], depth + 1
+        problem = "nested more than 64 deep" if depth > 64 else "arrays must be regular (not ragged)"
+        raise invalid_arg(f"unable to parse 'data' of input '{name}': {problem}") from None
     if raw.size != count:
         raise _count_error(name, count, raw.size, shape)
     if dtype.kind in "iu" and raw.dtype.kind in "fO":
