@@ -400,6 +400,12 @@ def test_openai_errors(oai, server: PierProcess) -> None:
     limit = int(re.search(r"max_model_len=(\d+)", str(too_long.value)).group(1))
     cards = requests.get(f"{server.base()}/v1/models/", timeout=10).json()["data"]  # trailing slash too
     assert [(c["id"], c["max_model_len"]) for c in cards] == [("tiny_llama", limit)]
+    # a prompt that fits but leaves less room than max_tokens: vLLM's 400 (LiteLLM maps the words to
+    # ContextWindowExceededError), not a completion cut short
+    with pytest.raises(openai.BadRequestError, match=f"you requested {limit + 2} tokens \\({limit - 2} in the"):
+        oai.completions.create(model="tiny_llama", prompt=[5] * (limit - 2), max_tokens=4)
+    assert oai.completions.create(model="tiny_llama", prompt=[5] * (limit - 4), max_tokens=4,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 4
     with pytest.raises(openai.BadRequestError, match="response_format"):
         oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     response_format={"type": "json_object"})

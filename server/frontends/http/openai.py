@@ -290,6 +290,7 @@ class OpenAIHandlers:
                     raise f
                 if f is None:
                     raise _BadRequest("the model sent no response", status=500)
+            self._check_context(model, sampling.get("max_tokens"), firsts)
         except _BadRequest as exc:
             await _close(gens)
             return error(exc.status, exc.message, exc.param)
@@ -432,6 +433,21 @@ class OpenAIHandlers:
         return reply
 
     # ---- routes --------------------------------------------------------------------------
+
+    def _check_context(self, model: str, max_tokens: Any, firsts: list[Any]) -> None:
+        """As vLLM's OpenAI server: a prompt plus max_tokens past the model's context is a 400
+        (the engine would stop early with "length"). The prompt's token count is known once the
+        backend answered; the request is cancelled with the error."""
+        limit = self.plane.models_with_backend("llm").get(model, {}).get("max_model_len")
+        if not isinstance(max_tokens, int) or not isinstance(limit, int):
+            return
+        for f in firsts:
+            asked = f["prompt_tokens"] + max_tokens
+            if asked > limit:
+                raise _BadRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you requested {asked} "
+                    f"tokens ({f['prompt_tokens']} in the messages, {max_tokens} in the completion). Please reduce "
+                    "the length of the messages or completion.")
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
