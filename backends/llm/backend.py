@@ -436,15 +436,16 @@ class LLMInstance(ModelInstance):
 
     def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]],
                       context: Sequence[int]) -> dict[str, Any]:
-        """{"tokens": [text of each id], "logprobs": [[logprob, [[alternative text, logprob], ...]] or
-        None]}: the logprobs and prompt_logprobs outputs (None: a prompt's first token has no
+        """{"tokens": [text of each id], "ids": [...], "logprobs": [[logprob, [[alternative text,
+        logprob, id], ...]] or None]}: the logprobs and prompt_logprobs outputs (None: a prompt's first token has no
         logprob). A token's text is what it adds to the text after `context` and the ids before it
         ('' for a byte that only starts a character, the whole character for the byte that ends it,
         as vLLM); alternatives are decoded alone, best first."""
         def ranked(top: dict[int, float] | None) -> list[list[Any]]:
-            return [[alone_text(self.tokenizer, t), v] for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])]
+            best = sorted((top or {}).items(), key=lambda kv: -kv[1])
+            return [[alone_text(self.tokenizer, t), v, t] for t, v in best]
 
-        return {"tokens": self._token_texts(ids, context),
+        return {"tokens": self._token_texts(ids, context), "ids": list(ids),
                 "logprobs": [None if lp is None else [lp, ranked(top)] for lp, top in entries]}
 
     def _token_texts(self, ids: Sequence[int], context: Sequence[int]) -> list[str]:

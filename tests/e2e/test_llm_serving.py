@@ -323,6 +323,24 @@ def test_openai_chat(oai) -> None:
         assert entry.logprob == pytest.approx(values[0])
 
 
+def test_openai_tokens_as_token_ids(oai) -> None:
+    """vLLM's return_tokens_as_token_ids: logprob tokens (and alternatives, and the echoed prompt's)
+    are "token_id:N", the ids the model produced; usage and text are unchanged."""
+    ids = [5, 6, 7, 8]
+    c = oai.completions.create(model="tiny_llama", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                               extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert lp.tokens[:4] == [f"token_id:{i}" for i in ids] and len(lp.tokens) == 7
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs[1:])
+    chat = oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 3 and all(e.token.startswith("token_id:") for e in entries)
+    assert all(e.token == e.top_logprobs[0].token for e in entries)  # greedy: the best alternative
+
+
 def test_openai_logprob_tokens_of_multibyte_characters(oai) -> None:
     """A character that spans several byte tokens: its last token carries it, the ones before it
     carry '' (as vLLM), so the tokens spell the text and text_offset stays in step with it."""

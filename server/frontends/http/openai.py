@@ -53,7 +53,7 @@ def _bytes_tensor(name: str, text: str) -> Tensor:
 
 # Boolean request fields read here (`logprobs` is one in chat; completions' integer logprobs is
 # checked with the other sampling fields).
-_FLAGS = ("stream", "echo", "add_generation_prompt", "continue_final_message")
+_FLAGS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids")
 _TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
 
 
@@ -208,8 +208,8 @@ class OpenAIHandlers:
             outputs.append("prompt_logprobs")
         return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
 
-    async def _deltas(self, request: InferenceRequest,
-                      keep_prompt_logprobs: bool = True) -> AsyncGenerator[dict[str, Any], None]:
+    async def _deltas(self, request: InferenceRequest, keep_prompt_logprobs: bool = True,
+                      as_ids: bool = False) -> AsyncGenerator[dict[str, Any], None]:
         """Per-sequence deltas: {index, text, finish_reason, stop_reason, prompt_tokens, completion_tokens,
         logprobs}."""
         stream = self.plane.responses(request)
@@ -217,14 +217,15 @@ class OpenAIHandlers:
             async for item in stream:
                 lp = _first(item, "logprobs")
                 plp = _first(item, "prompt_logprobs")
+                prompt_part = _prompt_part(plp, keep_prompt_logprobs)
                 stop = _first(item, "stop_reason")
                 yield {"index": int(_first(item, "sequence_index") or 0), "text": _first(item, "text_output") or "",
                        "finish_reason": _first(item, "finish_reason") or None,
                        "stop_reason": json.loads(stop) if stop else None,
                        "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
                        "completion_tokens": int(_first(item, "num_output_tokens") or 0),
-                       "logprobs": json.loads(lp) if lp else None,
-                       "prompt_logprobs": _prompt_part(plp, keep_prompt_logprobs)}
+                       "logprobs": _as_ids(json.loads(lp)) if lp and as_ids else json.loads(lp) if lp else None,
+                       "prompt_logprobs": _as_ids(prompt_part) if as_ids and prompt_part else prompt_part}
         finally:
             await stream.aclose()
 
@@ -282,7 +283,8 @@ class OpenAIHandlers:
                         sampling["prompt_logprobs"] = logprobs or 0
                     echo = [p if isinstance(p, str) else None for p in prompts]
                 infers = [self._request(model, p, None, sampling, logprobs is not None) for p in prompts]
-            gens = [self._deltas(infer, keep_prompt_logprobs=logprobs is not None) for infer in infers]
+            as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
+            gens = [self._deltas(infer, logprobs is not None, as_ids) for infer in infers]
             # Every prompt's first answer before anything is sent: a bad request is a plain 4xx.
             firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
             for f in firsts:
@@ -500,6 +502,17 @@ def _chat_payload(doc: dict[str, Any], messages: list[Any]) -> tuple[Any, str]:
     return payload, role
 
 
+def _as_ids(doc: dict[str, Any]) -> dict[str, Any]:
+    """return_tokens_as_token_ids: a logprobs doc's tokens and alternatives as "token_id:N" (vLLM's
+    form, for tokens whose text is not a whole character)."""
+    if "ids" not in doc:  # the prompt's text alone (echo without logprobs)
+        return doc
+    out = dict(doc, tokens=[f"token_id:{t}" for t in doc["ids"]])
+    out["logprobs"] = [None if e is None else [e[0], [[f"token_id:{a[2]}", a[1], a[2]] for a in e[1]]]
+                       for e in doc["logprobs"]]
+    return out
+
+
 def _prompt_part(payload: Any, keep_logprobs: bool) -> dict[str, Any] | None:
     """The backend's prompt_logprobs output: {"text", "tokens", "logprobs"}; only the prompt's text
     when the request did not ask for logprobs (echo of a token-id prompt)."""
@@ -596,7 +609,7 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
     if chat:
         return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                              for t, v in top or []]}
+                                              for t, v, *_ in top or []]}
                             for tok, (lp, top) in zip(tokens, entries)]}
     offsets, pos = [], start
     for tok in tokens:
@@ -604,7 +617,7 @@ def _logprobs(parts: list[dict[str, Any]], chat: bool, start: int = 0) -> dict[s
         pos += len(tok)
     tops: list[dict[str, float] | None] = []
     for tok, (lp, top) in zip(tokens, entries):
-        alternatives = {t: v for t, v in top or []}
+        alternatives = {t: v for t, v, *_ in top or []}
         tops.append(None if lp is None else alternatives if tok in alternatives else {**alternatives, tok: lp})
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
             "text_offset": offsets}
