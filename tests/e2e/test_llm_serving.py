@@ -441,7 +441,8 @@ def test_openai_errors(oai, server: PierProcess) -> None:
                            ({"prompt": "x", "echo": "maybe"}, "echo must be a boolean"),
                            ({"prompt": "x", "n": "two"}, "n must be an integer"),
                            ({"prompt": ["a"] * 5000}, "prompt holds 5000 prompts; at most 1024"),
-                           ({"prompt": "x", "model": 5}, "model must be a string, got a number")):
+                           ({"prompt": "x", "model": 5}, "model must be a string, got a number"),
+                           ({"prompt": ["x", ""]}, "prompt cannot be empty")):
         r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llama", "max_tokens": 2, **body},
                           timeout=60)
         assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text

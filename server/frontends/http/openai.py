@@ -241,6 +241,8 @@ class OpenAIHandlers:
             prompts = prompt
         else:
             raise _BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either.", "prompt")
+        if any(p == "" for p in prompts):  # as vLLM (the BOS token alone is no prompt)
+            raise _BadRequest("The decoder prompt cannot be empty.", "prompt")
         if len(prompts) > MAX_PROMPTS:  # each is a request of its own: a bound on what one call can queue
             raise _BadRequest(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request.", "prompt")
         for p in prompts:
