@@ -190,3 +190,15 @@ def test_bytes_that_are_not_utf8_in_a_config(tmp_path):
     path.write_bytes(b"max_batch_size: 2\nname: \"m\xff\"\n")
     with pytest.raises(PierError, match=rf"{re.escape(str(path))}:2:7"):
         parse_config_file(path)
+
+
+def test_config_json_that_is_not_a_model_config_says_so():
+    """A load's `config` parameter: not an object, or nested past any config, is named as such (not
+    with the parser's own words), with the source."""
+    from server.repository.model_config import parse_config_json
+
+    for text, words in (("[1, 2]", "expected a JSON object"), ("[" * 100_000, "nested too deeply"),
+                        ("{bad", "not JSON")):
+        with pytest.raises(PierError, match=words) as err:
+            parse_config_json(text, "the 'config' parameter of 'm'")
+        assert "the model configuration in the 'config' parameter of 'm'" in err.value.message
