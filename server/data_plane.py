@@ -277,7 +277,7 @@ class DataPlane:
                 else:
                     params = {"triton_final_response": final}
                     try:
-                        response = self._response(model, request, item or [], batch, params)
+                        response = self._response(model, request, item if item is not None else [], batch, params)
                     except PierError as exc:  # a classification the output's datatype cannot give
                         yield exc
                         return

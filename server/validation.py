@@ -26,11 +26,13 @@ def forward_headers(pattern: re.Pattern[str] | None, headers: Iterable[tuple[str
                     params: dict[str, Any]) -> None:
     """--http/grpc-header-forward-pattern: headers whose names the pattern matches (anywhere in the
     name, as Triton's RE2 partial match) become string parameters of the request, unless the
-    request names that parameter itself."""
+    request names that parameter itself. Names the server interprets (priority, timeout, the
+    sequence flags, ...) are not forwarded: a header is only ever a string the model reads."""
     if pattern is None:
         return
     for name, value in headers:
-        if isinstance(value, str) and name not in params and pattern.search(name) and not name.startswith("triton_"):
+        if (isinstance(value, str) and name not in params and pattern.search(name)
+                and not name.startswith("triton_") and name not in _TYPED_KEYS):
             params[name] = value
 
 

@@ -65,8 +65,16 @@ def parse_config_json(text: str, source: str) -> mc.ModelConfig:
     """A ModelConfig sent as JSON (the load API's `config` parameter), as Triton accepts it:
     proto field names or their lowerCamelCase forms."""
     config = mc.ModelConfig()
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        doc = dict(pairs)
+        if len(doc) != len(pairs):  # as protobuf's JSON parser: a field given twice is an error
+            seen: set[str] = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise invalid_arg(f"failed to parse the model configuration in {source}: field '{twice}' is given twice")
+        return doc
+
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=unique)
     except RecursionError:
         raise invalid_arg(f"failed to parse the model configuration in {source}: JSON nested too deeply") from None
     except ValueError as exc:

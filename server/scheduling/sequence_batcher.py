@@ -184,7 +184,8 @@ class SequenceBatcher(Scheduler):
         seq, start = _Sequence(), True
         while True:
             run = self._with_controls(request, corrid, start, False, seq)
-            run.parameters = {**request.parameters, "sequence_id": corrid, "sequence_start": start}
+            run.parameters = {**request.parameters, "sequence_id": corrid, "sequence_start": start,
+                              "sequence_end": False}
             result = await self._inner.enqueue(WorkItem(run, item.batch_size))
             if result is not RESCHEDULE:
                 return result if isinstance(result, Exception) else self._keep_state(result, seq, request)

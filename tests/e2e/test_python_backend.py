@@ -452,6 +452,10 @@ def test_request_rescheduling_of_an_iterative_model(server: PierProcess, mod) ->
     for steps in (1, 4):
         result = client.infer("iterative_steps", numpy_inputs(mod, {"STEPS": np.array([steps], np.int32)}))
         assert result.as_numpy("EXECUTIONS").tolist() == [steps]
+    # sequence flags a client sends anyway do not reach the model: the batcher owns them here
+    result = client.infer("iterative_steps", numpy_inputs(mod, {"STEPS": np.array([2], np.int32)}),
+                          sequence_id=9, sequence_start=True, sequence_end=True)
+    assert result.as_numpy("EXECUTIONS").tolist() == [2]
 
 
 def test_rescheduling_without_iterative_sequences_fails_the_request(server: PierProcess) -> None:

@@ -198,7 +198,20 @@ def test_config_json_that_is_not_a_model_config_says_so():
     from server.repository.model_config import parse_config_json
 
     for text, words in (("[1, 2]", "expected a JSON object"), ("[" * 100_000, "nested too deeply"),
-                        ("{bad", "not JSON")):
+                        ("{bad", "not JSON"), ('{"max_batch_size": 1, "max_batch_size": 8}',
+                                                "field 'max_batch_size' is given twice")):
         with pytest.raises(PierError, match=words) as err:
             parse_config_json(text, "the 'config' parameter of 'm'")
         assert "the model configuration in the 'config' parameter of 'm'" in err.value.message
+
+
+def test_forwarded_headers_never_set_what_the_server_interprets():
+    """--http/grpc-header-forward-pattern: a header named priority / timeout / sequence_* would reach
+    the schedulers as a string (a TypeError in the dynamic batcher); only the model's own names pass."""
+    from server.validation import forward_headers
+
+    params: dict = {"mine": 1}
+    headers = [("priority", "1"), ("timeout", "5"), ("sequence_end", "false"), ("triton_x", "y"),
+               ("mine", "header"), ("my_header", "v"), ("other", "w")]
+    forward_headers(re.compile("priority|timeout|sequence|triton|mine|my_"), headers, params)
+    assert params == {"mine": 1, "my_header": "v"}

@@ -11,6 +11,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             corrid = request.correlation_id()
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:  # never sent to iterative models
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("unexpected END flag")))
+                continue
             if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
                 self.runs[corrid] = 0
             self.runs[corrid] += 1
