@@ -76,6 +76,22 @@ MAX_DIMS = 64  # numpy's limit on an array's dimensions
 MAX_SPAN = 2**59  # numpy's bound on an array's dims product (x itemsize < 2**63), for 16-byte elements
 
 
+def fill_variable_dim(shape: Sequence[int], count: int) -> list[int] | None:
+    """`shape` with its one variable dim (-1) sized to hold `count` elements (a shape without one
+    must hold exactly `count`); None when it has several, or its fixed dims do not divide `count`."""
+    free = [i for i, d in enumerate(shape) if d < 0]
+    known = math.prod(d for d in shape if d >= 0)
+    if len(free) > 1:
+        return None
+    if not free:
+        return list(shape) if known == count else None
+    if known == 0 or count % known:
+        return None
+    out = list(shape)
+    out[free[0]] = count // known
+    return out
+
+
 def check_dims(shape: Sequence[int], name: str) -> None:
     """A request tensor's shape, before anything is sized from it: no negative dimension, no more
     dimensions than an array can have, and no dimensions whose product (zeros left out: numpy

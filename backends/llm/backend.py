@@ -306,7 +306,6 @@ class LLMInstance(ModelInstance):
         # what each sequence's logprob tokens are decoded after (so that a token reads as it does in
         # the text): the prompt's last tokens, then the sequence's own
         context: dict[int, list[int]] = {}
-        prompt_tail: list[int] | None = None
         pending_prompt_lp: dict[int, Any] = {}  # prompt logprobs not yet sent (their output carried no text)
         remaining = sampling.n
         started = time.monotonic()
@@ -339,15 +338,13 @@ class LLMInstance(ModelInstance):
                 if emits and out.index in pending_prompt_lp:
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
                 if flags["return_logprobs"] and out.index not in context:
-                    if prompt_tail is None:
-                        prompt_tail = self._prompt_tail(prompt)
-                    context[out.index] = list(prompt_tail)
+                    context[out.index] = list((out.prompt_ids or [])[-_CONTEXT_TOKENS:])
                 if stream:
                     if emits:
                         sink(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
                                            context.get(out.index)), final)
                     if flags["return_logprobs"]:
-                        context[out.index] += out.token_ids
+                        context[out.index] = (context[out.index] + out.token_ids)[-_CONTEXT_TOKENS:]
                 else:
                     texts.setdefault(out.index, []).append(out.text)
                     if out.logprobs:
@@ -404,11 +401,6 @@ class LLMInstance(ModelInstance):
                 task.cancel()
                 return
             await asyncio.sleep(0.05)
-
-    def _prompt_tail(self, prompt: Any) -> list[int]:
-        """The last tokens of the prompt (token ids, or text as the engine encodes it)."""
-        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(str(prompt))
-        return list(ids[-_CONTEXT_TOKENS:])
 
     def _tensors(self, text: str, out: Any, flags: dict[str, bool], lps: Any, finished: bool,
                  lp_ids: Sequence[int] = (), context: Sequence[int] | None = None) -> list[Tensor]:

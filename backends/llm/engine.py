@@ -65,6 +65,9 @@ class RequestOutput:
     # prompt_logprobs, once (with the first output): (token id, logprob, alternatives) per prompt
     # token, the first one (None, None)
     prompt_logprobs: list[tuple[int, float | None, dict[int, float] | None]] | None = None
+    # the prompt's token ids (the sequence's own list), with its first token when logprobs are asked
+    # for: a token's text is decoded after what precedes it
+    prompt_ids: list[int] | None = None
 
 
 @dataclass
@@ -339,6 +342,7 @@ class LLMEngine:
             completion_tokens=seq.num_output, cumulative_text=seq.detok.text[: seq.detok.emitted],
             logprobs=logprobs, stop_reason=seq.stop_reason if finished else None, metrics=m,
             prompt_logprobs=prompt_lp,
+            prompt_ids=seq.prompt_ids if logprobs is not None and seq.num_output == len(new_ids) else None,
         )
 
     # -- introspection --------------------------------------------------------------------------

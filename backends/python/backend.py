@@ -144,6 +144,7 @@ class PythonInstance(ModelInstance):
             if isinstance(exc, pb_utils.TritonModelException):
                 message = f"Failed to process the request(s) for model '{self._spec.name}', message: {exc}"
             return [internal(message)] * len(requests)
+        rescheduled = [bool(r._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) for r in pb_requests]
         if self._decoupled:
             if responses is not None:
                 return [invalid_arg(f"decoupled python model '{self._spec.name}' must return None from "
@@ -154,10 +155,9 @@ class PythonInstance(ModelInstance):
             return [internal(f"python model '{self._spec.name}' returned {got} responses for "
                              f"{len(requests)} requests")] * len(requests)
         else:  # a rescheduled request's entry (None, as Triton asks) is not a response
-            results = [None if r._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE  # type: ignore[misc]
-                       else self._to_result(resp) for r, resp in zip(pb_requests, responses)]
-        for i, r in enumerate(pb_requests):
-            if r._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            results = [[] if again else self._to_result(resp) for again, resp in zip(rescheduled, responses)]
+        for i, again in enumerate(rescheduled):
+            if again:
                 results[i] = RESCHEDULE if self._iterative else internal(
                     f"Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but model "
                     f"'{self._spec.name}' does not use iterative sequence batching (sequence_batching "

@@ -203,13 +203,8 @@ class EnsembleScheduler(Scheduler):
                     try:
                         response = task.result()
                     except PierError as exc:
-                        return PierError(exc.code, f"ensemble '{self._plan.name}' {step.label} failed: "
-                                                   f"{exc.message}")
-                    by_name = {t.name: t for t in response.outputs}
-                    for model_output, tensor in step.outputs:
-                        out = by_name.get(model_output)
-                        if out is not None:
-                            tensors[tensor] = Tensor(tensor, out.datatype, list(out.shape), out.data)
+                        return self._failed(step, exc)
+                    self._take_outputs(step, response, tensors)
         finally:
             for task in running:
                 task.cancel()
@@ -245,9 +240,9 @@ class EnsembleScheduler(Scheduler):
 
     async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], waiting: list[Step],
                       sink: Any) -> PierError | None:
-        assert self._stream is not None
         """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
         decoupled step, one branch per response."""
+        assert self._stream is not None
         while ready := [s for s in waiting if not s.decoupled and all(t in tensors for _, t in s.inputs)]:
             for step in ready:
                 waiting.remove(step)

@@ -106,6 +106,10 @@ class SequenceBatcher(Scheduler):
         return invalid_arg(f"inference request for sequence {corrid} to model '{self._model}' must specify the "
                            "START flag on the first request of the sequence")
 
+    def _not_batch_one(self) -> PierError:
+        return invalid_arg(f"inference request to model '{self._model}' must specify batch-size 1 due to "
+                           "requirements of sequence batcher")
+
     def _gone(self, seq: _Sequence, now: int) -> bool:
         """Ended, or idle past the limit, with no request of it in flight."""
         return not seq.users and (seq.ended or now - seq.last_ns > self._policy.idle_ns)
@@ -139,8 +143,7 @@ class SequenceBatcher(Scheduler):
                 raise invalid_arg(f"inference request to model '{self._model}' must specify a non-zero or "
                                   "non-empty correlation ID")
             if self._policy.batched and item.batch_size != 1:
-                raise invalid_arg(f"inference request to model '{self._model}' must specify batch-size 1 due to "
-                                  "requirements of sequence batcher")
+                raise self._not_batch_one()
             start = request.parameters.get("sequence_start") is True
             end = request.parameters.get("sequence_end") is True
             now = time.perf_counter_ns()
@@ -177,8 +180,7 @@ class SequenceBatcher(Scheduler):
         run again."""
         request = item.request
         if self._policy.batched and item.batch_size != 1:
-            return invalid_arg(f"inference request to model '{self._model}' must specify batch-size 1 due to "
-                               "requirements of sequence batcher")
+            return self._not_batch_one()
         self._iterations += 1
         corrid = self._iterations
         seq, start = _Sequence(), True

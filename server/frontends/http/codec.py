@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from server.datatypes import check_dims, element_size, from_raw, is_datatype, to_raw
+from server.datatypes import check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
 from server.errors import ErrorCode, PierError, internal, invalid_arg
 from server.frontends.json_data import array_from_json, array_to_json
 from server.shared_memory import (
@@ -190,12 +190,12 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
                           "than one variable-sized dimension")
     if variable:
         size = element_size(datatype)
-        known = math.prod(d for d in shape if d != -1)
-        if size is None or known == 0 or len(body) % (known * size):
+        filled = None if size is None or len(body) % size else fill_variable_dim(shape, len(body) // size)
+        if filled is None:
             raise invalid_arg(
                 f"{prefix}cannot infer the shape {shape} of input '{name}' from a raw binary body of {len(body)} bytes"
             )
-        shape[variable[0]] = len(body) // (known * size)
+        shape = filled
     data = from_raw(memoryview(body), datatype, shape, name, model)
     return InferenceRequest(model, version, [Tensor(name, datatype, shape, data)], [], "",
                             {"binary_data_output": True})

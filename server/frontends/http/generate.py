@@ -7,12 +7,11 @@ output (single-element arrays unwrapped, BYTES as text); the stream is server-se
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import numpy as np
 
-from server.datatypes import numpy_dtype
+from server.datatypes import fill_variable_dim, numpy_dtype
 from server.errors import invalid_arg
 from server.types import InferenceRequest, InferenceResponse, Tensor
 from server.validation import check_parameters
@@ -20,10 +19,12 @@ from server.validation import check_parameters
 
 def check_duplicate_inputs(raw: bytes, metadata: dict[str, Any]) -> None:
     """As Triton: an input given twice at the top of the request is an error (JSON parsers keep the
-    last one silently). Generate bodies are small: a second, checking parse is cheap."""
+    last one silently). A second, checking parse only when an input's quoted name occurs twice."""
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         return {"": [k for k, _ in items]}
 
+    if not any(raw.count(json.dumps(i["name"], ensure_ascii=False).encode()) > 1 for i in metadata["inputs"]):
+        return
     try:
         keys = json.loads(raw, object_pairs_hook=pairs)[""]
     except (ValueError, RecursionError, TypeError, KeyError):
@@ -43,16 +44,12 @@ def _shape(dims: list[int], count: int, batching: bool) -> list[int]:
     if batching and shape:
         shape[0] = 1
     free = [i for i, d in enumerate(shape) if d < 0]
-    fixed = 1
-    for d in shape:
-        fixed *= d if d >= 0 else 1
-    if free and fixed and count % fixed == 0:
-        for i in free[:-1]:
-            shape[i] = 1
-        shape[free[-1]] = count // fixed
-    if math.prod(shape) != count:
+    for i in free[:-1]:  # several variable dims: the last one takes the values
+        shape[i] = 1
+    filled = fill_variable_dim(shape, count)
+    if filled is None:
         return [1, count] if batching else [count]
-    return shape
+    return filled
 
 
 def _tensor(name: str, datatype: str, value: Any, batching: bool, dims: list[int]) -> Tensor:

@@ -216,16 +216,17 @@ class OpenAIHandlers:
         try:
             async for item in stream:
                 lp = _first(item, "logprobs")
-                plp = _first(item, "prompt_logprobs")
-                prompt_part = _prompt_part(plp, keep_prompt_logprobs)
+                lp_doc = json.loads(lp) if lp else None
+                prompt_part = _prompt_part(_first(item, "prompt_logprobs"), keep_prompt_logprobs)
+                if as_ids:
+                    lp_doc, prompt_part = (_as_ids(d) if d else d for d in (lp_doc, prompt_part))
                 stop = _first(item, "stop_reason")
                 yield {"index": int(_first(item, "sequence_index") or 0), "text": _first(item, "text_output") or "",
                        "finish_reason": _first(item, "finish_reason") or None,
                        "stop_reason": json.loads(stop) if stop else None,
                        "prompt_tokens": int(_first(item, "num_input_tokens") or 0),
                        "completion_tokens": int(_first(item, "num_output_tokens") or 0),
-                       "logprobs": _as_ids(json.loads(lp)) if lp and as_ids else json.loads(lp) if lp else None,
-                       "prompt_logprobs": _as_ids(prompt_part) if as_ids and prompt_part else prompt_part}
+                       "logprobs": lp_doc, "prompt_logprobs": prompt_part}
         finally:
             await stream.aclose()
 

@@ -174,3 +174,18 @@ def test_prompt_logprobs_match_transformers(llama_dir, prompts):
             for p, (_, _, top) in enumerate(entries[1:], start=1):
                 assert len(top) == 2 and max(top.values()) == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
     assert_drained(eng)
+
+
+def test_logprob_outputs_carry_the_prompt_once(llama_dir, prompts):
+    """With logprobs asked for, each sequence's first output carries the prompt's ids (its first
+    token is decoded after them), later ones do not; n > 1 children carry it too."""
+    eng = engine(llama_dir)
+    eng.add_request("a", prompts[0], SamplingParams(max_tokens=3, temperature=1.0, seed=1, n=2, logprobs=0,
+                                                    ignore_eos=True))
+    eng.add_request("b", prompts[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    seen: dict[tuple[str, int], list] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            seen.setdefault((out.request_id, out.index), []).append(out.prompt_ids)
+    assert seen[("a", 0)] == [prompts[0], None, None] and seen[("a", 1)] == [prompts[0], None, None]
+    assert seen[("b", 0)] == [None, None, None]  # no logprobs: nothing to decode after

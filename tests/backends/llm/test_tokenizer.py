@@ -142,3 +142,18 @@ def test_chat_template_sees_the_tools(llama_dir):
     msgs = [{"role": "user", "content": "hi"}]
     assert _render_chat(tok, {"messages": msgs, "tools": [tool, tool]}) == "[get_weather;get_weather;]hi"
     assert _render_chat(tok, msgs) == "hi"
+
+
+def test_logprob_token_texts_read_in_place(tok):
+    """A logprob token's text is what it adds after what precedes it (the prompt's tail for the
+    first one): a character split across tokens is carried by its last byte token, the ones before
+    it read '', so the texts spell the text."""
+    from types import SimpleNamespace
+
+    from backends.llm.backend import LLMInstance
+
+    ids = tok.encode("a ☃ b 日本", add_special_tokens=False)
+    split = next(i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i]))  # inside a character
+    texts = LLMInstance._token_texts(SimpleNamespace(tokenizer=tok), ids[split:], ids[:split])
+    assert "".join(texts) == tok.decode(ids)[len(tok.decode(ids[:split]).rstrip("\ufffd")):]
+    assert "\ufffd" not in "".join(texts)
