@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -286,6 +287,19 @@ def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120) -> Serv
         server.stop()
         raise
     return server
+
+
+def copy_without_queue_delay(src: Path, dest: Path) -> Path:
+    """A copy of the model folder `src` whose config asks for no dynamic-batching queue delay: the
+    side-by-side row that shows what the example's `max_queue_delay_microseconds` costs."""
+    shutil.copytree(src, dest)
+    config = dest / "config.pbtxt"
+    text = config.read_text()
+    changed = re.sub(r"max_queue_delay_microseconds:\s*\d+", "max_queue_delay_microseconds: 0", text)
+    if changed == text:
+        raise RuntimeError(f"{config} sets no max_queue_delay_microseconds to clear")
+    config.write_text(changed)
+    return dest
 
 
 def _start_bare(script: str, name: str, protocol: str, timeout: float) -> Server:

@@ -9,9 +9,19 @@ import shutil
 from pathlib import Path
 
 from bench import loadgen, report
-from bench.common import ROOT, Servers, Settings, log, measure, start_bare_http, start_pier, temp_dir
+from bench.common import (
+    ROOT,
+    Servers,
+    Settings,
+    copy_without_queue_delay,
+    log,
+    measure,
+    start_bare_http,
+    start_pier,
+    temp_dir,
+)
 
-PIER, BARE = "Pier", "bare aiohttp"
+PIER, PIER_NO_DELAY, BARE = "Pier", "Pier, no queue delay", "bare aiohttp"
 CONCURRENCY = [1, 16]
 MODEL = "identity_fp32"
 
@@ -29,18 +39,21 @@ def _checker(expected: list[float]):
 def run(settings: Settings) -> Path:
     started = report.started_info()
     group = report.Group("HTTP JSON tensors, identity_fp32 [1, 16] FP32, own load generator", "concurrency",
-                         "req/s", [PIER, BARE], CONCURRENCY, refs=[BARE])
+                         "req/s", [PIER, PIER_NO_DELAY, BARE], CONCURRENCY, refs=[BARE])
     notes: list[str] = []
     body = loadgen.identity_json_body(16)
     check = _checker(json.loads(body)["inputs"][0]["data"])
     cpu: list[str] = []
     with Servers() as servers, temp_dir("json-") as tmp:
-        shutil.copytree(ROOT / "model_repository" / MODEL, tmp / MODEL)
-        up = {PIER: servers.add(PIER, lambda: start_pier("pier_json", tmp), required=True),
+        shutil.copytree(ROOT / "model_repository" / MODEL, tmp / "pier" / MODEL)
+        copy_without_queue_delay(ROOT / "model_repository" / MODEL, tmp / "pier_no_delay" / MODEL)
+        up = {PIER: servers.add(PIER, lambda: start_pier("pier_json", tmp / "pier"), required=True),
+              PIER_NO_DELAY: servers.add(PIER_NO_DELAY,
+                                         lambda: start_pier("pier_json_no_delay", tmp / "pier_no_delay")),
               BARE: servers.add(BARE, start_bare_http)}
         for label, why in servers.missing.items():
             notes.append(f"{label} left out: {why}")
-        names = [n for n in (PIER, BARE) if up[n] is not None]
+        names = [n for n in (PIER, PIER_NO_DELAY, BARE) if up[n] is not None]
         for rnd in range(settings.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
             for c in CONCURRENCY:
@@ -67,6 +80,9 @@ def run(settings: Settings) -> Path:
         "Comparable: both servers parse the JSON request and write a JSON answer with the data; the bare "
         "server does no validation, no datatype conversion (it echoes the `data` list as parsed) and no "
         "statistics.",
+        "`Pier, no queue delay` is the same Pier with `max_queue_delay_microseconds: 0`, for reading only (the "
+        "target compares the example's config): the bare server does not batch, so the gap between the two "
+        "Pier rows is the configured 100 µs batching wait.",
     ]
     intro = ["KServe-v2 JSON tensor bodies (`Content-Type: application/json`, no "
              "`Inference-Header-Content-Length`), measured with `bench/loadgen.py`, not perf_analyzer "

@@ -14,6 +14,7 @@ from bench.common import (
     ROOT,
     Servers,
     Settings,
+    copy_without_queue_delay,
     log,
     measure,
     perf_analyzer,
@@ -27,6 +28,7 @@ from bench.common import (
 from bench.measure import perf_analyzer_point
 
 PIER, TRITON, BARE_HTTP, BARE_GRPC = "Pier", "Triton 2.51", "bare aiohttp", "bare grpc.aio"
+PIER_NO_DELAY = "Pier, no queue delay"
 CONCURRENCY = [1, 8]
 MODEL = "identity_fp32"
 
@@ -37,18 +39,21 @@ def run(settings: Settings) -> Path:
         raise RuntimeError("perf_analyzer not available (set PERF_ANALYZER or PERF_ANALYZER_DIR)")
     started = report.started_info()
     http = report.Group("HTTP (Triton binary tensors), batch 1, INPUT0 [16] FP32", "concurrency", "infer/s",
-                        [PIER, TRITON, BARE_HTTP], CONCURRENCY, refs=[TRITON, BARE_HTTP])
+                        [PIER, PIER_NO_DELAY, TRITON, BARE_HTTP], CONCURRENCY, refs=[TRITON, BARE_HTTP])
     grpc = report.Group("gRPC, batch 1, INPUT0 [16] FP32", "concurrency", "infer/s",
-                        [PIER, TRITON, BARE_GRPC], CONCURRENCY, refs=[TRITON, BARE_GRPC])
+                        [PIER, PIER_NO_DELAY, TRITON, BARE_GRPC], CONCURRENCY, refs=[TRITON, BARE_GRPC])
     notes: list[str] = []
     with Servers() as servers, temp_dir("identity-") as tmp:
         pier_repo, triton_repo = tmp / "pier", tmp / "triton"
         shutil.copytree(ROOT / "model_repository" / MODEL, pier_repo / MODEL)
+        copy_without_queue_delay(ROOT / "model_repository" / MODEL, tmp / "pier_no_delay" / MODEL)
         triton_src = shared_tools() / "triton-reference" / "models" / MODEL
         if triton_src.is_dir():  # a private copy: the python backend writes __pycache__ next to model.py
             shutil.copytree(triton_src, triton_repo / MODEL)
         up = {
             PIER: servers.add(PIER, lambda: start_pier("pier_identity", pier_repo), required=True),
+            PIER_NO_DELAY: servers.add(PIER_NO_DELAY, lambda: start_pier("pier_identity_no_delay",
+                                                                         tmp / "pier_no_delay")),
             TRITON: servers.add(TRITON, lambda: start_triton(triton_repo)),
             BARE_HTTP: servers.add(BARE_HTTP, start_bare_http),
             BARE_GRPC: servers.add(BARE_GRPC, start_bare_grpc),
@@ -85,6 +90,9 @@ def run(settings: Settings) -> Path:
         "python-backend `identity_fp32` (same config); the bare servers "
         "(`shared/tools/python-limit`, `--uvloop`) echo the input with no validation, queue, batching "
         "or statistics: the Python ceiling.",
+        "`Pier, no queue delay` is the same Pier with `max_queue_delay_microseconds: 0`, for reading only (no "
+        "target uses it): the gap between the two Pier rows is what the configured 100 µs batching wait costs, "
+        "which Triton pays too and the bare servers (no batching) do not.",
     ]
     return report.write("identity_fp32", "identity_fp32: Pier vs Triton 2.51 vs bare Python servers", settings,
                         [http, grpc], targets, intro, notes, started)
