@@ -9,14 +9,18 @@ queued once the oldest request has waited max_queue_delay_microseconds (see _nex
 With a BatchLayout (ragged batching, see ragged.py), ragged inputs take no part in shape
 compatibility, the batch gets its batch inputs, and batch outputs are scattered back.
 Per-level queue policies bound the queue (a full queue rejects at once with UNAVAILABLE) and
-time requests out (REJECT fails them, DELAY moves them behind every request still in time).
+time requests out (REJECT fails them, DELAY moves them behind the requests of their level still
+in time, as Triton's per-level delayed queues). A level's queues exist only while they hold
+requests, so any number of priority levels costs nothing until used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from backends.base import ExecuteResult, ModelInstance
@@ -62,6 +66,18 @@ class _Pending:
     deadline_ns: int | None
 
 
+@dataclass(slots=True, eq=False)
+class _Level:
+    """One priority level's requests: in arrival order, then those that timed out with action
+    DELAY (behind every request of the level still in time)."""
+
+    queue: deque[_Pending] = field(default_factory=deque)
+    delayed: deque[_Pending] = field(default_factory=deque)
+
+    def __len__(self) -> int:
+        return len(self.queue) + len(self.delayed)
+
+
 class DynamicBatcher(Scheduler):
     def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
                  policy: BatchingPolicy) -> None:
@@ -69,9 +85,8 @@ class DynamicBatcher(Scheduler):
         self._idle = self._pool.size
         self._stats = stats
         self._policy = policy
-        levels = max(policy.priority_levels, 1)
-        self._queues: list[deque[_Pending]] = [deque() for _ in range(levels)]
-        self._delayed: deque[_Pending] = deque()  # timed out with action DELAY: served last
+        self._levels: dict[int, _Level] = {}  # only the levels holding requests
+        self._order: list[int] = []  # their numbers, highest priority (lowest number) first
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
         self._executing = 0
@@ -108,14 +123,17 @@ class DynamicBatcher(Scheduler):
             raise unavailable("model is unloading: no new requests are accepted")
         level = self._level_of(item)
         policy = self._policy.policy(level)
-        queue = self._queues[level - 1]
-        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+        queue = self._levels.get(level)
+        if policy.max_queue_size and queue is not None and len(queue) >= policy.max_queue_size:
             self._stats.record_request(False, 0, reason="REJECTED")
             raise unavailable(request_prefix(item.request) + "Exceeds maximum queue size")
+        if queue is None:
+            queue = self._levels[level] = _Level()
+            bisect.insort(self._order, level)
         future = asyncio.get_running_loop().create_future()
         key = compat_key(item.request, self._ragged)
         deadline = self._deadline(item, policy) if self._timeouts else None
-        queue.append(_Pending(item, future, key, level, deadline))
+        queue.queue.append(_Pending(item, future, key, level, deadline))
         self._schedule()
         return await future  # already done when the batch ran inline: no suspension
 
@@ -123,9 +141,13 @@ class DynamicBatcher(Scheduler):
         return self.pending_count() + self._executing
 
     def pending_count(self) -> int:
-        if len(self._queues) == 1:
-            return len(self._queues[0]) + len(self._delayed)
-        return sum(len(q) for q in self._queues) + len(self._delayed)
+        return sum(map(len, self._levels.values()))
+
+    def _prune(self) -> None:
+        """Forget the levels left empty (a lone level stays: the common one-level model keeps its queues)."""
+        if len(self._levels) > 1 and any(not q for q in self._levels.values()):
+            self._levels = {n: q for n, q in self._levels.items() if q}
+            self._order = [n for n in self._order if n in self._levels]
 
     # ---- the batching loop ---------------------------------------------------------------
 
@@ -174,7 +196,8 @@ class DynamicBatcher(Scheduler):
     def _expire(self, now: int) -> int | None:
         """Apply timeouts; return the next deadline still ahead."""
         next_deadline = None
-        for queue in self._queues:
+        for level in self._levels.values():
+            queue = level.queue
             if not any(p.deadline_ns is not None for p in queue):
                 continue
             keep: deque[_Pending] = deque()
@@ -182,7 +205,7 @@ class DynamicBatcher(Scheduler):
                 if p.deadline_ns is not None and p.deadline_ns <= now:
                     if self._policy.policy(p.level).timeout_action_delay:
                         p.deadline_ns = None
-                        self._delayed.append(p)
+                        level.delayed.append(p)
                     else:
                         self._stats.record_request(False, now - p.item.enqueued_ns, reason="REJECTED")
                         if not p.future.done():
@@ -193,12 +216,12 @@ class DynamicBatcher(Scheduler):
                 keep.append(p)
             queue.clear()
             queue.extend(keep)
+        self._prune()
         return next_deadline
 
-    def _ordered(self):
-        for queue in self._queues:
+    def _ordered(self) -> Iterator[_Pending]:
+        for queue in self._deques():
             yield from queue
-        yield from self._delayed
 
     def _next_batch(self, now: int) -> tuple[list[_Pending], int | None]:
         """The batch to run now, or ([], when to look again). Triton's rules: walk the queue while
@@ -215,7 +238,10 @@ class DynamicBatcher(Scheduler):
         total = best = 0
         send_now = False
         key = None
-        ordered = self._queues[0] if len(self._queues) == 1 and not self._delayed else self._ordered()
+        if len(self._order) == 1 and not (only := self._levels[self._order[0]]).delayed:
+            ordered: Iterable[_Pending] = only.queue
+        else:
+            ordered = self._ordered()
         for pending in ordered:
             if pending.future.done():  # cancelled by its client while queued
                 continue
@@ -251,7 +277,7 @@ class DynamicBatcher(Scheduler):
         """Remove `batch` from the queues. It is a prefix of `_ordered()` once the cancelled
         requests `_next_batch` skipped are left out, so pop from the fronts and put those back."""
         i, n = 0, len(batch)
-        for queue in (*self._queues, self._delayed):
+        for queue in self._deques():
             skipped: list[_Pending] = []
             while i < n and queue:
                 p = queue.popleft()
@@ -263,14 +289,22 @@ class DynamicBatcher(Scheduler):
                 queue.extendleft(reversed(skipped))
             if i == n:
                 break
+        self._prune()
         return batch
 
+    def _deques(self) -> Iterator[deque[_Pending]]:
+        for n in self._order:
+            level = self._levels[n]
+            yield level.queue
+            yield level.delayed
+
     def _drop_done(self) -> None:
-        for queue in (*self._queues, self._delayed):
+        for queue in self._deques():
             if any(p.future.done() for p in queue):
                 kept = [p for p in queue if not p.future.done()]
                 queue.clear()
                 queue.extend(kept)
+        self._prune()
 
     # ---- execution -----------------------------------------------------------------------
 

@@ -181,8 +181,9 @@ class EnsembleScheduler(Scheduler):
         ok = not isinstance(result, PierError)
         if ok:
             self._stats.record_execution(item.batch_size, 0, done - start, 0)
+        # As Triton 2.51: an ensemble's failure counts as OTHER (its failing step's model has the backend one)
         self._stats.record_request(ok, done - item.enqueued_ns, start - item.enqueued_ns, 0, done - start, 0,
-                                   reason=None if ok else "BACKEND")
+                                   reason=None if ok else "OTHER")
         return result
 
     async def _run(self, request: InferenceRequest) -> ExecuteResult:
@@ -214,7 +215,8 @@ class EnsembleScheduler(Scheduler):
         return [tensors[name] for name, _ in self._plan.outputs]
 
     def _failed(self, step: Step, exc: PierError) -> PierError:
-        return PierError(exc.code, f"ensemble '{self._plan.name}' {step.label} failed: {exc.message}")
+        # Triton's prefix ("in ensemble 'name', <the step's error>"), naming the step as well
+        return PierError(exc.code, f"in ensemble '{self._plan.name}', {step.label}: {exc.message}")
 
     @staticmethod
     def _take_outputs(step: Step, response: InferenceResponse, tensors: dict[str, Tensor]) -> None:

@@ -56,6 +56,17 @@ ensemble_scheduling { step [
 """
 
 
+FAILS_ENS = """name: "fails_ens"
+platform: "ensemble"
+input [ { name: "M" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "E" data_type: TYPE_STRING dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "fails_py" input_map { key: "MODE" value: "M" } output_map { key: "ECHO" value: "E" } }
+] }
+"""
+PYTHON_MODELS = Path(__file__).resolve().parents[1] / "python_models"
+
+
 def write_ensemble(repo: Path, name: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(config)
@@ -70,6 +81,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     write_ensemble(repo, "missing_tensor", graph("missing_tensor", second_input="nowhere"))
     write_ensemble(repo, "twice", graph("twice", sum_name="diff"))
     write_ensemble(repo, "cycle", CYCLE)
+    shutil.copytree(PYTHON_MODELS / "fails_py", repo / "fails_py")
+    write_ensemble(repo, "fails_ens", FAILS_ENS)
     write_ensemble(repo, "unused_input", graph("unused_input").replace(
         '{ name: "B" data_type: TYPE_INT32 dims: [ 16 ] } ]',
         '{ name: "B" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "C" data_type: TYPE_INT32 dims: [ 16 ] } ]'))
@@ -107,6 +120,23 @@ def test_invalid_ensembles_fail_to_load_naming_step_and_tensor(server: PierProce
     assert state == "UNAVAILABLE"
     for w in words:
         assert w in reason, (w, reason)
+
+
+def test_step_failure_is_named_and_counted_as_triton_does(server: PierProcess) -> None:
+    """A failing step's error comes back with Triton's "in ensemble '<name>', " prefix (and the
+    step named); the ensemble counts the failure as OTHER, the step's model as BACKEND (as Triton
+    2.51, qa/L0_model_queue)."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    mode = httpclient.InferInput("M", [1], "BYTES")
+    mode.set_data_from_numpy(np.array([b"error"], dtype=np.object_))
+    with pytest.raises(Exception) as raised:
+        client.infer("fails_ens", [mode])
+    assert "in ensemble 'fails_ens', step 1 (model 'fails_py'): " in str(raised.value)
+    assert "bad mode: error" in str(raised.value)
+    metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    assert 'nv_inference_request_failure{model="fails_ens",reason="OTHER",version="1"} 1' in metrics
+    assert 'nv_inference_request_failure{model="fails_ens",reason="BACKEND",version="1"} 0' in metrics
+    assert 'nv_inference_request_failure{model="fails_py",reason="BACKEND",version="1"} 1' in metrics
 
 
 def test_invalid_ensemble_shape(tmp_path: Path) -> None:

@@ -223,6 +223,79 @@ def test_timeouts_reject_delay_and_override():
     run(main())
 
 
+def test_delayed_requests_stay_within_their_level():
+    """As Triton (a delayed queue per level; qa/L0_model_queue test_priority_with_policy): a
+    request that timed out with action DELAY runs after its own level's requests still in time,
+    but before every request of a lower level."""
+    async def main():
+        gate = threading.Event()
+        inst = Recorder(gate)
+        policy = BatchingPolicy(max_batch_size=1, priority_levels=2, default_priority_level=2,
+                                level_policies={1: QueuePolicy(default_timeout_us=30_000, timeout_action_delay=True)})
+        b, _ = await _batcher(policy, inst)
+        running = asyncio.ensure_future(b.enqueue(request(0)))
+        await asyncio.sleep(0.05)
+        delayed = asyncio.ensure_future(b.enqueue(request(1.0, priority=1)))
+        low = asyncio.ensure_future(b.enqueue(request(2.0, priority=2)))
+        await asyncio.sleep(0.1)  # `delayed` times out: it moves behind level 1's in-time requests
+        in_time = asyncio.ensure_future(b.enqueue(request(3.0, priority=1, timeout=0)))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.gather(running, delayed, low, in_time)
+        assert inst.batches == [[0.0], [3.0], [1.0], [2.0]]
+        await b.stop()
+    run(main())
+
+
+def test_max_queue_size_counts_delayed_requests():
+    """As Triton: a level's bound covers its delayed requests too (they were never bounded)."""
+    async def main():
+        gate = threading.Event()
+        inst = Recorder(gate)
+        policy = BatchingPolicy(max_batch_size=1, default_policy=QueuePolicy(
+            default_timeout_us=20_000, timeout_action_delay=True, max_queue_size=1))
+        b, stats = await _batcher(policy, inst)
+        running = asyncio.ensure_future(b.enqueue(request(0)))
+        await asyncio.sleep(0.05)
+        delayed = asyncio.ensure_future(b.enqueue(request(1.0)))
+        await asyncio.sleep(0.1)  # timed out: delayed, still queued
+        assert b.pending_count() == 1
+        with pytest.raises(PierError) as err:
+            await b.enqueue(request(2.0))
+        assert err.value.message == "[request id: <id_unknown>] Exceeds maximum queue size"
+        assert stats.failures["REJECTED"] == 1
+        gate.set()
+        await asyncio.gather(running, delayed)
+        assert inst.batches == [[0.0], [1.0]]
+        await b.stop()
+    run(main())
+
+
+def test_priority_levels_cost_nothing_until_used():
+    """qa/L0_model_queue test_max_priority_levels: priority_levels may be as large as uint64
+    (here with a default level past 2^32). Queues exist only for the levels holding requests
+    (allocating one per level ran the server out of memory), and emptied levels are forgotten."""
+    async def main():
+        gate = threading.Event()
+        inst = Recorder(gate)
+        levels = 2**64 - 1
+        policy = BatchingPolicy(max_batch_size=1, priority_levels=levels, default_priority_level=2**32)
+        b, _ = await _batcher(policy, inst)
+        running = asyncio.ensure_future(b.enqueue(request(0)))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.ensure_future(b.enqueue(request(float(i), priority=p)))
+                   for i, p in ((1, levels), (2, 0), (3, 2**32 + 1), (4, 1), (5, 7))]
+        await asyncio.sleep(0.01)
+        assert b.pending_count() == 5
+        gate.set()
+        await asyncio.gather(running, *waiting)
+        # priority 0 takes the default level 2^32; the rest run at their own level, highest first
+        assert inst.batches == [[0.0], [4.0], [5.0], [2.0], [3.0], [1.0]]
+        assert b.pending_count() == 0 and len(b._levels) <= 1
+        await b.stop()
+    run(main())
+
+
 def test_timeout_override_only_shortens_a_default():
     """As Triton: with no default timeout there is nothing to shorten, so a request's own timeout
     is ignored even when the policy allows overrides."""
