@@ -64,6 +64,8 @@ class _Pending:
     key: CompatKey
     level: int
     deadline_ns: int | None
+    ready_ns: int  # when it reached the batcher: max_queue_delay counts from here (a sequence's
+    # request may have waited for its predecessor long before; its queue time still counts that)
 
 
 @dataclass(slots=True, eq=False)
@@ -133,7 +135,7 @@ class DynamicBatcher(Scheduler):
         future = asyncio.get_running_loop().create_future()
         key = compat_key(item.request, self._ragged)
         deadline = self._deadline(item, policy) if self._timeouts else None
-        queue.queue.append(_Pending(item, future, key, level, deadline))
+        queue.queue.append(_Pending(item, future, key, level, deadline, time.perf_counter_ns()))
         self._schedule()
         return await future  # already done when the batch ran inline: no suspension
 
@@ -265,7 +267,7 @@ class DynamicBatcher(Scheduler):
             if self.pending_count():
                 self._drop_done()
             return [], None
-        deadline = candidate[0].item.enqueued_ns + p.max_queue_delay_us * 1000
+        deadline = candidate[0].ready_ns + p.max_queue_delay_us * 1000
         waited_out = p.max_queue_delay_us > 0 and now >= deadline
         if best and not waited_out:
             return self._take(candidate[:best]), None

@@ -101,6 +101,7 @@ class SequenceBatcher(Scheduler):
         self._sequences: dict[CorrelationId, _Sequence] = {}
         self._swept_ns = time.perf_counter_ns()
         self._iterations = 0  # correlation IDs of iterative sequences
+        self._waiting = 0  # requests waiting for their sequence's earlier request to finish
 
     def _not_started(self, corrid: CorrelationId) -> PierError:
         return invalid_arg(f"inference request for sequence {corrid} to model '{self._model}' must specify the "
@@ -152,8 +153,12 @@ class SequenceBatcher(Scheduler):
         except PierError as exc:
             return exc
         seq.users += 1
+        self._waiting += 1  # queued behind the sequence's earlier request: pending, as in Triton
+        waiting = True
         try:
             async with seq.lock:  # FIFO: a sequence's requests run one at a time, in arrival order
+                self._waiting -= 1
+                waiting = False
                 if start:
                     seq.state.clear()
                     seq.ended = False
@@ -167,6 +172,8 @@ class SequenceBatcher(Scheduler):
                     seq.ended = True
                 seq.last_ns = time.perf_counter_ns()
         finally:
+            if waiting:  # cancelled before its turn
+                self._waiting -= 1
             seq.users -= 1
             if seq.ended and not seq.users and self._sequences.get(corrid) is seq:
                 del self._sequences[corrid]
@@ -235,10 +242,10 @@ class SequenceBatcher(Scheduler):
         return [t for t in result if t.name not in hidden]
 
     def inflight_count(self) -> int:
-        return self._inner.inflight_count()
+        return self._inner.inflight_count() + self._waiting
 
     def pending_count(self) -> int:
-        return self._inner.pending_count()
+        return self._inner.pending_count() + self._waiting
 
     async def stop(self) -> None:
         await self._inner.stop()

@@ -44,10 +44,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     write_model(repo, "auto_io", 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nsequence_batching' + auto,
                 accumulate_model())
     for name, direct in (("long_delay", "direct { max_queue_delay_microseconds: 5000000 }"),
-                         ("full_slots", "direct { max_queue_delay_microseconds: 400000 minimum_slot_utilization: 1 }")):
+                         ("full_slots", "direct { max_queue_delay_microseconds: 400000 minimum_slot_utilization: 1 }"),
+                         ("four_slots", "direct { max_queue_delay_microseconds: 500000 minimum_slot_utilization: 1 }")):
         config = CONFIG.replace('name: "accumulate"', f'name: "{name}"').replace(
             "direct { max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5 }", direct)
         assert direct in config
+        if name == "four_slots":
+            config = config.replace("max_batch_size: 8", "max_batch_size: 4")
         write_model(repo, name, config, accumulate_model())
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=repo.parent / "pier.log")
     yield proc
@@ -231,3 +234,34 @@ def test_direct_strategy_waits_only_for_empty_slots(server) -> None:
 
     assert one("long_delay", 1) < 2.5  # a 5 s delay, not waited
     assert one("full_slots", 2) >= 0.35  # 1 of 8 slots ready: waits the 0.4 s delay
+
+
+def test_sequence_requests_waiting_their_turn_are_pending_and_wait_the_delay_afresh(server) -> None:
+    """qa/L0_metrics (metrics_queue_size_test, sequence direct/oldest), as Triton 2.51: a request
+    queued behind its sequence's earlier request counts in nv_inference_pending_request_count, and
+    once its turn comes it waits max_queue_delay_microseconds for full slots from then (it ran
+    alone at once, having 'waited' since it arrived). Three sequences, two requests each, 4 slots
+    all required: two batches of three, each after the 0.5 s delay."""
+    model = "four_slots"
+    base = server.base()
+    before = requests.get(f"{base}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
+    h = httpclient.InferenceServerClient(server.http_url, concurrency=6)
+    futures = []
+    t0 = time.perf_counter()
+    for step in range(2):
+        for seq in (71, 72, 73):
+            i = httpclient.InferInput("INPUT", [1, 1], "FP32")
+            i.set_data_from_numpy(np.array([[1.0]], np.float32))
+            futures.append(h.async_infer(model, [i], sequence_id=seq, sequence_start=step == 0,
+                                         sequence_end=step == 1))
+    time.sleep(0.25)  # the first three wait for a fourth slot, the second three for their turn
+    metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    line = next(m for m in metrics.splitlines()
+                if m.startswith(f'nv_inference_pending_request_count{{model="{model}"'))
+    assert line.endswith(" 6"), line
+    outs = [float(f.get_result().as_numpy("OUTPUT")[0, 0]) for f in futures]
+    elapsed = time.perf_counter() - t0
+    assert outs == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    after = requests.get(f"{base}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
+    assert after["execution_count"] - before["execution_count"] == 2
+    assert elapsed >= 0.95  # the second batch waited its own 0.5 s
