@@ -4,6 +4,7 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -261,7 +262,9 @@ class DataPlane:
 
         request.response_sink = sink
         self._begin()
-        executed = asyncio.ensure_future(model.scheduler.enqueue(WorkItem(request, batch)))
+        work = WorkItem(request, batch)
+        executed = asyncio.ensure_future(model.scheduler.enqueue(work))
+        first = True
         executed.add_done_callback(lambda task: queue.put_nowait((task, False)))
         try:
             while True:
@@ -281,6 +284,9 @@ class DataPlane:
                     except PierError as exc:  # a classification the output's datatype cannot give
                         yield exc
                         return
+                    if first:  # nv_inference_first_response_histogram_ms
+                        model.stats.record_first_response(time.perf_counter_ns() - work.enqueued_ns)
+                        first = False
                     if trace is not None:  # one per response, as Triton traces decoupled models
                         trace.stamp("INFER_RESPONSE_COMPLETE")
                         for t in response.outputs:

@@ -58,8 +58,11 @@ class ModelStatistics:
     batches: dict[int, BatchStats] = field(default_factory=dict)
     # failed requests by Triton's metric reason: REJECTED, CANCELED, BACKEND, OTHER
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
-    # successful request latencies per histogram bucket (last slot: above the largest bound)
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_BUCKETS_MS) + 1))
+    # decoupled models: time to each request's first response, per histogram bucket (last slot:
+    # above the largest bound), with the sum in whole milliseconds and the count
+    first_response_buckets: list[int] = field(default_factory=lambda: [0] * (len(HISTOGRAM_BUCKETS_MS) + 1))
+    first_response_ms: int = 0
+    first_responses: int = 0
     # recent successful requests (monotonic s, total, queue, input, infer, output ns): the window
     # the summary metrics' quantiles are computed over; None (nothing kept) unless they are on
     recent: deque[tuple[float, int, int, int, int, int]] | None = None
@@ -88,9 +91,14 @@ class ModelStatistics:
         entry, as Triton counts it) that ran nothing."""
         self.last_inference_ms = time.time_ns() // 1_000_000
         self.success.add(lookup_ns)
-        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, lookup_ns)] += 1
         self.queue.add(0)
         self.cache_hit.add(lookup_ns)
+
+    def record_first_response(self, ns: int) -> None:
+        """A decoupled model's first response to a request, `ns` after the request arrived."""
+        self.first_response_buckets[bisect.bisect_left(_BUCKET_NS, ns)] += 1
+        self.first_response_ms += ns // 1_000_000
+        self.first_responses += 1
 
     def record_request(self, ok: bool, total_ns: int, queue_ns: int = 0, input_ns: int = 0,
                        infer_ns: int = 0, output_ns: int = 0, reason: str | None = None) -> None:
@@ -101,7 +109,6 @@ class ModelStatistics:
             self.failures[reason if reason in self.failures else "OTHER"] += 1
             return
         self.success.add(total_ns)
-        self.latency_buckets[bisect.bisect_left(_BUCKET_NS, total_ns)] += 1
         self.queue.add(queue_ns)
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)

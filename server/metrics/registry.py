@@ -273,12 +273,15 @@ class MetricsRenderer:
         name = "nv_inference_first_response_histogram_ms"
         rows = []
         for m in models:
+            if not m.spec.decoupled:  # as Triton (2.52+): the histogram is the decoupled models'
+                continue
+            s = m.stats
             cumulative = 0
-            for bound, count in zip(HISTOGRAM_BUCKETS_MS, m.stats.latency_buckets):
+            for bound, count in zip(HISTOGRAM_BUCKETS_MS, s.first_response_buckets):
                 cumulative += count
                 rows.append(f'{name}_bucket{{{_labels(m)},le="{bound:g}"}} {cumulative}\n')
-            cumulative += m.stats.latency_buckets[-1]
+            cumulative += s.first_response_buckets[-1]
             rows.append(f'{name}_bucket{{{_labels(m)},le="+Inf"}} {cumulative}\n')
-            rows.append(f"{name}_sum{{{_labels(m)}}} {m.stats.success.ns / 1e6}\n")
-            rows.append(f"{name}_count{{{_labels(m)}}} {m.stats.success.count}\n")
+            rows.append(f"{name}_sum{{{_labels(m)}}} {s.first_response_ms}\n")
+            rows.append(f"{name}_count{{{_labels(m)}}} {s.first_responses}\n")
         return _family(name, "histogram", "Duration from request to first response in milliseconds", rows)

@@ -45,20 +45,53 @@ TWO_INSTANCES = SLOW.replace('"slow_queue"', '"two_instances"').split("dynamic_b
     'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
 
 
+# Decoupled: one response at once, the final one 0.7 s later.
+TWO_STEP_CONFIG = """name: "two_step"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+TWO_STEP_MODEL = """import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+            time.sleep(0.7)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     write_model(repo, "batched", BATCHED, identity_model("FP32", [-1, 8]))
     write_model(repo, "slow_queue", SLOW, slow_model(20, batched=True))
     write_model(repo, "two_instances", TWO_INSTANCES, slow_model(20, batched=True))
+    (repo / "two_step" / "1").mkdir(parents=True)
+    (repo / "two_step" / "config.pbtxt").write_text(TWO_STEP_CONFIG)
+    (repo / "two_step" / "1" / "model.py").write_text(TWO_STEP_MODEL)
     s = start_pier([repo], "--metrics-config=histogram_latencies=true",
                    log_path=tmp_path_factory.mktemp("log") / "pier.log")
     yield s
     assert s.stop() == 0
 
 
+def _metrics_text(server) -> str:
+    return requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).text
+
+
 def _metric(server, name: str, model: str, extra: str = "") -> float:
-    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).text
+    text = _metrics_text(server)
     pattern = rf'^{name}{{model="{model}",{extra}version="1"}} (\S+)$'
     match = re.search(pattern, text, re.M)
     assert match, f"{pattern} not in metrics:\n{text[:3000]}"
@@ -95,7 +128,7 @@ def test_counts_match_requests_and_batches_form(server):
     assert _metric(server, "nv_inference_exec_count", "batched") == int(stats["execution_count"])
     assert _metric(server, "nv_inference_request_failure", "batched", 'reason="BACKEND",') == 0
     assert _metric(server, "nv_inference_pending_request_count", "batched") == 0
-    assert _metric(server, "nv_inference_first_response_histogram_ms_count", "batched") == 100
+    assert not re.search(r'^nv_inference_first_response_histogram_ms\w*\{model="batched"', _metrics_text(server), re.M)
     assert _metric(server, "nv_inference_request_duration_us", "batched") > 0
 
 
@@ -171,3 +204,35 @@ def test_two_instances_serve(server):
     assert client.get_model_config("two_instances").config.instance_group[0].count == 2
     stats = client.get_inference_statistics("two_instances").model_stats[0]
     assert stats.execution_count == stats.inference_count  # no dynamic batching: one request per execution
+
+
+def test_first_response_histogram_times_the_first_response_of_decoupled_models(server):
+    """nv_inference_first_response_histogram_ms (--metrics-config histogram_latencies=true), as
+    Triton 2.52+: decoupled models only, timing each request's first response (whole ms) from its
+    arrival, not its last. two_step answers at once, then 0.7 s later."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    done = threading.Event()
+    got: list = []
+
+    def callback(result, error):
+        got.append(error or result)
+        if len(got) == 4:
+            done.set()
+
+    client.start_stream(callback)
+    for k in (1, 2):
+        inp = grpcclient.InferInput("IN", [1], "INT32")
+        inp.set_data_from_numpy(np.array([k], dtype=np.int32))
+        client.async_stream_infer("two_step", [inp], request_id=str(k))
+    assert done.wait(20), got
+    client.stop_stream()
+    assert not any(isinstance(g, Exception) for g in got), got
+    name = "nv_inference_first_response_histogram_ms"
+    assert _metric(server, f"{name}_count", "two_step") == 2
+    buckets = dict(re.findall(rf'^{name}_bucket{{model="two_step",version="1",le="([^"]+)"}} (\S+)$',
+                              _metrics_text(server), re.M))
+    # the first request's first answer came at once; the second request waited for the instance
+    # (0.7 s), then its first answer came at once. Timing the last answers gives 0.7 s and 1.4 s.
+    assert (buckets["100"], buckets["500"], buckets["2000"]) == ("1", "1", "2"), buckets
+    total = _metric(server, f"{name}_sum", "two_step")
+    assert total == int(total) and 600 <= total < 1200
