@@ -150,6 +150,8 @@ class PythonInstance(ModelInstance):
                 return [invalid_arg(f"decoupled python model '{self._spec.name}' must return None from "
                                     "execute() and answer through response senders")] * len(requests)
             results: list[ExecuteResult] = [[] for _ in requests]
+        elif responses is None and all(r._sender is not None for r in pb_requests):
+            results = [self._answer(r) for r in pb_requests]  # answered through response senders
         elif responses is None or len(responses) != len(requests):
             got = "None" if responses is None else str(len(responses))
             return [internal(f"python model '{self._spec.name}' returned {got} responses for "
@@ -163,6 +165,14 @@ class PythonInstance(ModelInstance):
                     f"'{self._spec.name}' does not use iterative sequence batching (sequence_batching "
                     "{ iterative_sequence: true })")
         return results
+
+    def _answer(self, request: pb_utils.InferenceRequest) -> ExecuteResult:
+        """The one response a model that is not decoupled sent through `request`'s sender (it may
+        send after execute() returned: wait for its FINAL flag)."""
+        request._answered.wait()
+        if not request._answer:
+            return internal(f"python model '{self._spec.name}' closed a response sender without a response")
+        return self._to_result(request._answer[0])
 
     def close(self) -> None:
         if hasattr(self._model, "finalize"):

@@ -166,7 +166,9 @@ class InferenceResponse:
 
 
 class InferenceResponseSender:
-    """Decoupled models send any number of responses per request, then the FINAL flag."""
+    """Decoupled models send any number of responses per request, then the FINAL flag. Other
+    models may answer through a sender too (as Triton 23.10+): exactly one response, and the
+    FINAL flag (with it, or after it)."""
 
     def __init__(self, request: InferenceRequest) -> None:
         self._request = request
@@ -210,6 +212,9 @@ class InferenceRequest:
         self._server_request: Any = None  # server.types.InferenceRequest, for requests we execute
         self._to_result: Any = None  # response -> backend result (set by the backend)
         self._sender: InferenceResponseSender | None = None
+        # a model that is not decoupled answering through its sender: the one response, set when final
+        self._answer: list[InferenceResponse | None] = []
+        self._answered = threading.Event()
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     # what a model reads from a request it executes
@@ -244,9 +249,8 @@ class InferenceRequest:
         return bool(self._server_request is not None and self._server_request.cancelled)
 
     def get_response_sender(self) -> InferenceResponseSender:
-        if self._server_request is None or self._server_request.response_sink is None:
-            raise TritonModelException("get_response_sender() is only available to decoupled models "
-                                       "(model_transaction_policy { decoupled: true })")
+        if self._server_request is None:
+            raise TritonModelException("get_response_sender() is only available to requests the model executes")
         if self._sender is None:
             self._sender = InferenceResponseSender(self)
         return self._sender
@@ -258,7 +262,15 @@ class InferenceRequest:
 
     def _send(self, response: InferenceResponse | None, final: bool) -> None:
         sink = self._server_request.response_sink
-        sink(None if response is None else self._to_result(response), final)
+        if sink is not None:  # decoupled
+            sink(None if response is None else self._to_result(response), final)
+            return
+        if response is not None:
+            if self._answer:
+                raise TritonModelException("a model that is not decoupled sends one response per request")
+            self._answer.append(response)
+        if final:
+            self._answered.set()
 
     # BLS
     def exec(self, decoupled: bool = False) -> InferenceResponse | Iterator[InferenceResponse]:

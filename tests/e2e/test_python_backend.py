@@ -512,3 +512,17 @@ def test_ensemble_steps_get_the_request_parameters(server: PierProcess, mod) -> 
     inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
     result = client.infer("args_ensemble", [inp], parameters={"key1": "value1", "key2": 2})
     assert json.loads(result.as_numpy("ARGS")[0])["parameters"] == {"key1": "value1", "key2": 2}
+
+
+@pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_a_model_that_is_not_decoupled_may_answer_through_its_sender(server: PierProcess, mod) -> None:
+    """As Triton 2.51 (qa/L0_metrics async_execute): a model that is not decoupled may return
+    None and send its one response per request through the request's sender, even after
+    execute() returned (Pier refused get_response_sender() there)."""
+    client = mod.InferenceServerClient(server.http_url if mod is httpclient else server.grpc_url)
+    inp = mod.InferInput("IN", [1], "INT32")
+    inp.set_data_from_numpy(np.array([7], dtype=np.int32))
+    assert client.infer("sender_py", [inp]).as_numpy("OUT").tolist() == [21]
+    inp.set_data_from_numpy(np.array([0], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="closed a response sender without a response"):
+        client.infer("sender_py", [inp])
