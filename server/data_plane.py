@@ -240,7 +240,7 @@ class DataPlane:
             model.stats.record_cache_hit(lookup_ns)
             return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id)
         response = await self._infer(model, request, batch)  # an error is raised, so never cached
-        model.stats.cache_miss.add(lookup_ns + cache.insert(key, response.outputs))
+        model.stats.record_cache_miss(lookup_ns + cache.insert(key, response.outputs))
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:

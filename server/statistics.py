@@ -66,11 +66,17 @@ class ModelStatistics:
     # recent successful requests (monotonic s, total, queue, input, infer, output ns): the window
     # the summary metrics' quantiles are computed over; None (nothing kept) unless they are on
     recent: deque[tuple[float, int, int, int, int, int]] | None = None
+    # the same for response-cache hits and misses (monotonic s, duration ns)
+    recent_hits: deque[tuple[float, int]] | None = None
+    recent_misses: deque[tuple[float, int]] | None = None
 
     @classmethod
     def create(cls, keep_recent: bool) -> ModelStatistics:
         """Statistics that keep a bounded window of recent requests when `keep_recent` (summaries)."""
-        return cls(recent=deque(maxlen=RECENT_REQUESTS) if keep_recent else None)
+        if not keep_recent:
+            return cls()
+        return cls(recent=deque(maxlen=RECENT_REQUESTS), recent_hits=deque(maxlen=RECENT_REQUESTS),
+                   recent_misses=deque(maxlen=RECENT_REQUESTS))
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int,
                          succeeded: int | None = None) -> None:
@@ -93,6 +99,14 @@ class ModelStatistics:
         self.success.add(lookup_ns)
         self.queue.add(0)
         self.cache_hit.add(lookup_ns)
+        if self.recent_hits is not None:
+            self.recent_hits.append((time.monotonic(), lookup_ns))
+
+    def record_cache_miss(self, ns: int) -> None:
+        """A cache miss: the lookup and the insertion of the response computed, `ns` in all."""
+        self.cache_miss.add(ns)
+        if self.recent_misses is not None:
+            self.recent_misses.append((time.monotonic(), ns))
 
     def record_first_response(self, ns: int) -> None:
         """A decoupled model's first response to a request, `ns` after the request arrived."""

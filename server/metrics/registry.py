@@ -16,7 +16,7 @@ import prometheus_client
 
 from server.lifecycle.loaded_model import LoadedModel
 from server.response_cache import ResponseCache
-from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS
+from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -243,18 +243,30 @@ class MetricsRenderer:
         of the last SUMMARY_WINDOW_S seconds (NaN when there were none)."""
         horizon = time.monotonic() - SUMMARY_WINDOW_S
         windows = {id(m): [r for r in m.stats.recent or () if r[0] >= horizon] for m in models}
+
+        def rows(name: str, m: LoadedModel, total: Duration, values: list[float]) -> list[str]:
+            values.sort()
+            out = [f"{name}_count{{{_labels(m)}}} {total.count}\n", f"{name}_sum{{{_labels(m)}}} {total.ns // 1000}\n"]
+            for q, _ in self._config.summary_quantiles:
+                v = values[min(len(values) - 1, int(q * len(values)))] if values else "NaN"
+                out.append(f'{name}{{{_labels(m)},quantile="{q:g}"}} {v}\n')
+            return out
+
         out = []
         for column, (_, _, name, help_text, stage) in enumerate(_STAGE_METRICS, start=1):
-            rows = []
-            for m in models:
-                d = getattr(m.stats, stage)
-                rows.append(f"{name}_count{{{_labels(m)}}} {d.count}\n")
-                rows.append(f"{name}_sum{{{_labels(m)}}} {d.ns // 1000}\n")
-                values = sorted(r[column] // 1000 for r in windows[id(m)])
-                for q, _ in self._config.summary_quantiles:
-                    v = values[min(len(values) - 1, int(q * len(values)))] if values else "NaN"
-                    rows.append(f'{name}{{{_labels(m)},quantile="{q:g}"}} {v}\n')
-            out.append(_family(name, "summary", help_text, rows))
+            out.append(_family(name, "summary", help_text, [
+                row for m in models
+                for row in rows(name, m, getattr(m.stats, stage), [r[column] // 1000 for r in windows[id(m)]])]))
+        cached = [m for m in models if m.spec.response_cache]
+        for name, kind, recent in (("nv_cache_hit_summary_per_model", "hit", "recent_hits"),
+                                   ("nv_cache_miss_summary_per_model", "miss", "recent_misses")):
+            if not cached:
+                continue
+            text = f"Summary of cache {kind} counts/durations per model, in microseconds."  # Triton's words
+            out.append(_family(name, "summary", text, [
+                row for m in cached
+                for row in rows(name, m, getattr(m.stats, f"cache_{kind}"),
+                                [ns // 1000 for t, ns in getattr(m.stats, recent) or () if t >= horizon])]))
         return "".join(out)
 
     def _cpu(self) -> str:

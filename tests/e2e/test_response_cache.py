@@ -5,6 +5,7 @@ not as inferences or executions)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         "model_transaction_policy { decoupled: true }\nresponse_cache { enable: true }\n")
-    proc = start_pier([repo], "--cache-config=local,size=1048576", "--exit-on-error=false",
+    proc = start_pier([repo], "--cache-config=local,size=1048576", "--metrics-config=summary_latencies=true",
+                      "--exit-on-error=false",
                       "--strict-readiness=false", log_path=root / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -88,6 +90,13 @@ def test_identical_requests_are_answered_from_the_cache(server) -> None:
     assert 'nv_inference_count{model="cached",version="1"} 3' in metrics
     assert "nv_cache_num_entries 3" in metrics
     assert "nv_cache_num_hits 3" in metrics and "nv_cache_num_lookups 6" in metrics  # cache-wide totals
+    # with summary_latencies, Triton's per-model cache summaries (qa/L0_metrics)
+    for kind in ("hit", "miss"):
+        name = f"nv_cache_{kind}_summary_per_model"
+        assert f"# HELP {name} Summary of cache {kind} counts/durations per model, in microseconds." in metrics
+        assert f'{name}_count{{model="cached",version="1"}} 3' in metrics
+        assert re.search(rf'^{name}{{model="cached",version="1",quantile="0.5"}} \d+$', metrics, re.M)
+        assert f'{name}_count{{model="plain"' not in metrics
     index = {m["name"]: m for m in requests.post(f"{server.base()}/v2/repository/index", timeout=10).json()}
     assert index["decoupled_cached"]["state"] == "UNAVAILABLE"  # as Triton refuses it
     assert "Response Cache does not currently support model 'decoupled_cached'" in index["decoupled_cached"]["reason"]
