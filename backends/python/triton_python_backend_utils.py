@@ -213,7 +213,7 @@ class InferenceRequest:
         self._to_result: Any = None  # response -> backend result (set by the backend)
         self._sender: InferenceResponseSender | None = None
         # a model that is not decoupled answering through its sender: the one response, set when final
-        self._answer: list[InferenceResponse | None] = []
+        self._answer: list[InferenceResponse] = []
         self._answered = threading.Event()
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 

@@ -17,7 +17,6 @@ requests, so any number of priority levels costs nothing until used.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -87,8 +86,7 @@ class DynamicBatcher(Scheduler):
         self._idle = self._pool.size
         self._stats = stats
         self._policy = policy
-        self._levels: dict[int, _Level] = {}  # only the levels holding requests
-        self._order: list[int] = []  # their numbers, highest priority (lowest number) first
+        self._levels: dict[int, _Level] = {}  # only the levels holding requests (and a lone emptied one)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
         self._executing = 0
@@ -131,7 +129,6 @@ class DynamicBatcher(Scheduler):
             raise unavailable(request_prefix(item.request) + "Exceeds maximum queue size")
         if queue is None:
             queue = self._levels[level] = _Level()
-            bisect.insort(self._order, level)
         future = asyncio.get_running_loop().create_future()
         key = compat_key(item.request, self._ragged)
         deadline = self._deadline(item, policy) if self._timeouts else None
@@ -149,7 +146,6 @@ class DynamicBatcher(Scheduler):
         """Forget the levels left empty (a lone level stays: the common one-level model keeps its queues)."""
         if len(self._levels) > 1 and any(not q for q in self._levels.values()):
             self._levels = {n: q for n, q in self._levels.items() if q}
-            self._order = [n for n in self._order if n in self._levels]
 
     # ---- the batching loop ---------------------------------------------------------------
 
@@ -240,7 +236,7 @@ class DynamicBatcher(Scheduler):
         total = best = 0
         send_now = False
         key = None
-        if len(self._order) == 1 and not (only := self._levels[self._order[0]]).delayed:
+        if len(self._levels) == 1 and not (only := next(iter(self._levels.values()))).delayed:
             ordered: Iterable[_Pending] = only.queue
         else:
             ordered = self._ordered()
@@ -295,7 +291,8 @@ class DynamicBatcher(Scheduler):
         return batch
 
     def _deques(self) -> Iterator[deque[_Pending]]:
-        for n in self._order:
+        """Every queue in the order requests are taken: highest priority (lowest level) first."""
+        for n in sorted(self._levels):
             level = self._levels[n]
             yield level.queue
             yield level.delayed
