@@ -3,56 +3,74 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PA_DIR ?= $(HOME)/opt/perf-analyzer
-PA_INSTALL := ../shared/tools/perf-analyzer/install.sh
+# Strict editable install: site-packages gets one name, `pier`, as a tree of links to the files
+# of server/ and backends/ (pyproject.toml). A link tree holds the files it was built with, so
+# a new or removed module re-links it (.venv/.pkg-files changes only when that list does).
+EDITABLE := --no-build-isolation --config-settings editable_mode=strict
+PKG_FILES := $(shell find server backends -name '*.py' -o -name '*.pyi' -o -name '*.cpp' -o -name '*.h' | LC_ALL=C sort)
 
-.PHONY: serve test lint unit perf-analyzer models pipeline protos bench clean
+.PHONY: serve test lint unit perf-analyzer models pipeline protos bench clean FORCE
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q 'torch==2.13.0'  # pinned: the TorchScript tests' torch, a CPU build where one is on disk
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
+	$(PY) -m pip install -q 'torch==2.13.0'  # pinned: the CPU build on local disk (TorchScript and LLM backends)
 	touch $@
 
-serve: $(VENV)/.installed  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
+# What serving the example repository needs (its TorchScript model needs torch), and no test tools.
+$(VENV)/.serve-deps: pyproject.toml $(VENV)/.base
+	$(PY) -m pip install -q -e '.[torch]' $(EDITABLE)
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps
+	$(PY) -m pip install -q -e '.[test]' $(EDITABLE)
+	touch $@
+
+$(VENV)/.pkg-files: FORCE
+	@mkdir -p $(VENV); echo '$(PKG_FILES)' | cmp -s - $@ || echo '$(PKG_FILES)' > $@
+
+$(VENV)/.linked: $(VENV)/.pkg-files $(VENV)/.serve-deps
+	$(PY) -m pip install -q --no-deps -e . $(EDITABLE)
+	touch $@
+
+serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
 	$(VENV)/bin/pier serve --model-repository model_repository
 
-test: $(VENV)/.installed perf-analyzer lint  ## lint, then every test (unit + e2e against real servers)
+test: $(VENV)/.test-deps $(VENV)/.linked perf-analyzer lint  ## lint, then every test (unit + e2e against real servers)
 	PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.test-deps $(VENV)/.linked
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy server backends
+	$(VENV)/bin/mypy $(wildcard build/__editable__.pier-*/pier)  # the installed names: pier, pier.backends
 
-unit: $(VENV)/.installed
+unit: $(VENV)/.test-deps $(VENV)/.linked
 	$(PY) -m pytest -q tests/server tests/backends
 
-# NVIDIA perf_analyzer for the e2e check and the benchmarks (skipped when the installer is absent).
+# NVIDIA perf_analyzer for its e2e test and the benchmarks (the test skips with a reason if this fails).
 perf-analyzer:
-	@if [ -x $(PA_DIR)/perf_analyzer ]; then :; \
-	elif [ -f $(PA_INSTALL) ]; then bash $(PA_INSTALL) $(PA_DIR) >/dev/null || echo "perf_analyzer install failed: its test will skip"; \
-	else echo "no $(PA_INSTALL): the perf_analyzer test will skip"; fi
+	@[ -x $(PA_DIR)/perf_analyzer ] || bash scripts/install_perf_analyzer.sh $(PA_DIR) >/dev/null \
+		|| echo "perf_analyzer install failed: its test will skip"
 
-$(VENV)/.bench-installed: $(VENV)/.installed
-	$(PY) -m pip install -q 'torch==2.13.0'
-	$(PY) -m pip install -q -e '.[test,bench]'
+$(VENV)/.bench-deps: $(VENV)/.test-deps
+	$(PY) -m pip install -q -e '.[test,bench]' $(EDITABLE)
 	touch $@
 
-model_repository/text_embedding/1/model.onnx: | $(VENV)/.bench-installed
+model_repository/text_embedding/1/model.onnx: | $(VENV)/.bench-deps
 	HF_HUB_OFFLINE=1 $(PY) scripts/export_text_embedding.py
 
-bench: $(VENV)/.bench-installed perf-analyzer model_repository/text_embedding/1/model.onnx  ## side-by-side benchmarks -> bench/results/
+# Side by side with Triton, vLLM and the bare Python servers where PIER_REFERENCE_TOOLS names them (bench/README.md).
+bench: $(VENV)/.bench-deps $(VENV)/.linked perf-analyzer model_repository/text_embedding/1/model.onnx  ## -> bench/results/
 	$(PY) -m bench.run
 
-models: $(VENV)/.installed  ## rebuild the example models (byte-identical; the TorchScript one with torch 2.13.0)
+models: $(VENV)/.test-deps $(VENV)/.linked  ## rebuild the example models (byte-identical; the TorchScript one with torch 2.13.0)
 	$(PY) scripts/build_example_models.py
 	$(PY) scripts/build_torch_examples.py
 
-pipeline: $(VENV)/.installed  ## build text_embedding + tokenizer + the embed ensemble into model_repository/
+pipeline: $(VENV)/.test-deps $(VENV)/.linked  ## build text_embedding + tokenizer + the embed ensemble into model_repository/
 	HF_HUB_OFFLINE=1 $(PY) scripts/build_embed_pipeline.py
 
-protos: $(VENV)/.installed  ## regenerate server/protocol from protos/
+protos: $(VENV)/.test-deps  ## regenerate server/protocol from protos/
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .mypy_cache

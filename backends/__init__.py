@@ -1,1 +1,1 @@
-"""Pier backends. Each one imports only `backends.base`, `server.types` and `server.errors`."""
+"""Pier backends (`pier.backends`). Each one imports only the backend contract and its own folder."""

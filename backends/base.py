@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from server.errors import PierError, invalid_arg
-from server.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
+from pier.errors import PierError, invalid_arg
+from pier.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
 
 BACKEND_API_VERSION = 1
 MAX_THREADS = 1024  # a thread-count parameter past this is a typo, not a machine: refused at load

@@ -2,15 +2,20 @@
 starting/stopping servers on free loopback ports, and run settings.
 
 Environment variables (all optional):
-  SHARED_TOOLS       folder with perf-analyzer/, triton-reference/, python-limit/   (default ../shared/tools)
-  PERF_ANALYZER      perf_analyzer executable                    (default $PERF_ANALYZER_DIR/perf_analyzer)
-  PERF_ANALYZER_DIR  perf_analyzer install dir                   (default ~/opt/perf-analyzer)
-  TRITON_DIR         reference Triton install dir                (default ~/opt/triton)
-  PYTHON_LIMIT_DIR   folder with bare_http.py / bare_grpc.py     (default $SHARED_TOOLS/python-limit)
-  PIER               command that starts Pier, split on spaces   (default: `pier` next to this Python,
-                                                                  else `python -m server`)
-A tool that is missing is installed with the install.sh in SHARED_TOOLS; if that fails or does not
-exist, the benchmark leaves that server out and says so in its report.
+  PIER_REFERENCE_TOOLS  folder of reference tools for the side-by-side rows, laid out as
+                        perf-analyzer/, triton-reference/, vllm-reference/, python-limit/
+                        (no default: when unset, the Triton, vLLM and bare python-limit rows are
+                        skipped with a note in the report; see reference_tools())
+  PERF_ANALYZER         perf_analyzer executable                 (default $PERF_ANALYZER_DIR/perf_analyzer)
+  PERF_ANALYZER_DIR     perf_analyzer install dir                (default ~/opt/perf-analyzer)
+  TRITON_DIR            reference Triton install dir             (default ~/opt/triton)
+  PYTHON_LIMIT_DIR      folder with bare_http.py / bare_grpc.py  (default $PIER_REFERENCE_TOOLS/python-limit)
+  PIER                  command that starts Pier, split on spaces (default: `pier` next to this Python,
+                                                                  else `python -m pier`; `serve ...` follows)
+A missing perf_analyzer is installed with this repository's scripts/install_perf_analyzer.sh (then,
+if that fails, with $PIER_REFERENCE_TOOLS/perf-analyzer/install.sh); a missing Triton with
+$PIER_REFERENCE_TOOLS/triton-reference/install.sh. If that fails or is not there, the benchmark
+leaves that server out and says so in its report.
 """
 
 from __future__ import annotations
@@ -73,49 +78,121 @@ class Settings:
 
 # ---------------------------------------------------------------------------- tools
 
-def shared_tools() -> Path:
-    return Path(os.environ.get("SHARED_TOOLS", ROOT.parent / "shared" / "tools"))
+REFERENCE_TOOLS_ENV = "PIER_REFERENCE_TOOLS"
 
 
-def _install(script: Path, target: Path, what: str) -> bool:
+def reference_tools() -> Path | None:
+    """The folder named by $PIER_REFERENCE_TOOLS (perf-analyzer/, triton-reference/, vllm-reference/,
+    python-limit/), or None when the variable is unset or empty or names no existing folder. There is
+    no default: without it every side-by-side row that needs a reference tool is skipped."""
+    value = os.environ.get(REFERENCE_TOOLS_ENV, "").strip()
+    if not value:
+        return None
+    d = Path(value).expanduser()
+    return d if d.is_dir() else None
+
+
+def reference_tool(name: str) -> Path | None:
+    """$PIER_REFERENCE_TOOLS/<name> (e.g. "triton-reference"), or None when it is not there."""
+    base = reference_tools()
+    if base is None or not (base / name).is_dir():
+        return None
+    return base / name
+
+
+def reference_missing(name: str, row: str) -> str:
+    """The report note for a row skipped because $PIER_REFERENCE_TOOLS/<name>/ is not there."""
+    note = f"{REFERENCE_TOOLS_ENV} is not set (or has no {name}/): {row} skipped"
+    value = os.environ.get(REFERENCE_TOOLS_ENV, "").strip()
+    if value and reference_tools() is None:
+        note += f" ({REFERENCE_TOOLS_ENV}={value} is not a folder)"
+    return note
+
+
+class ToolMissing(RuntimeError):
+    """A reference tool is not there: the row is skipped, and str(exc) is the report's whole note."""
+
+
+def _install(script: Path, target: Path, what: str) -> Path | None:
+    """Run `bash script target`; returns the path the script printed last (None on failure)."""
     if not script.is_file():
         log(f"{what}: not installed at {target} and no {script}")
-        return False
+        return None
     log(f"{what}: installing into {target} with {script} (once)")
     try:
-        subprocess.run(["bash", str(script), str(target)], check=True, timeout=1800,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.run(["bash", str(script), str(target)], check=True, timeout=1800,
+                              capture_output=True, text=True)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        log(f"{what}: install failed: {exc}")
-        return False
-    return True
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        log(f"{what}: install failed: {exc}" + (f"\n{err.strip()[-1500:]}" if err.strip() else ""))
+        return None
+    lines = [ln.strip() for ln in (proc.stdout or "").splitlines() if ln.strip()]
+    return Path(lines[-1]) if lines else target
+
+
+PERF_ANALYZER_INSTALLER = ROOT / "scripts" / "install_perf_analyzer.sh"
+PERF_ANALYZER_MISSING = ("perf_analyzer not available: set PERF_ANALYZER (the binary) or PERF_ANALYZER_DIR, "
+                         "or install it with `bash scripts/install_perf_analyzer.sh DIR`")
 
 
 def perf_analyzer() -> Path | None:
-    """The perf_analyzer executable, installed with shared/tools/perf-analyzer/install.sh if missing."""
+    """The perf_analyzer executable: $PERF_ANALYZER, else $PERF_ANALYZER_DIR/perf_analyzer (default
+    ~/opt/perf-analyzer), installed there when missing with scripts/install_perf_analyzer.sh, and
+    only if that fails with $PIER_REFERENCE_TOOLS/perf-analyzer/install.sh (when that folder is set)."""
     if os.environ.get("PERF_ANALYZER"):
         p = Path(os.environ["PERF_ANALYZER"])
         return p if p.exists() else None
     d = Path(os.environ.get("PERF_ANALYZER_DIR", Path.home() / "opt" / "perf-analyzer"))
     exe = d / "perf_analyzer"
-    if not exe.exists():
-        _install(shared_tools() / "perf-analyzer" / "install.sh", d, "perf_analyzer")
-    return exe if exe.exists() else None
+    if exe.exists():
+        return exe
+    installers = [PERF_ANALYZER_INSTALLER]
+    ref = reference_tool("perf-analyzer")
+    if ref is not None:
+        installers.append(ref / "install.sh")
+    for script in installers:
+        printed = _install(script, d, "perf_analyzer")
+        if exe.exists():
+            return exe
+        if printed is not None and printed.is_file():
+            return printed
+    return None
+
+
+def perf_analyzer_required() -> Path:
+    """perf_analyzer() or a RuntimeError saying how to get it (the benchmarks that drive with it need it)."""
+    pa = perf_analyzer()
+    if pa is None:
+        raise RuntimeError(PERF_ANALYZER_MISSING)
+    return pa
 
 
 def triton_dir() -> Path | None:
-    """The reference Triton install dir, installed with shared/tools/triton-reference/install.sh if missing."""
+    """The reference Triton install dir ($TRITON_DIR, default ~/opt/triton), installed when missing
+    with $PIER_REFERENCE_TOOLS/triton-reference/install.sh; None when it is not installed and cannot be."""
     d = Path(os.environ.get("TRITON_DIR", Path.home() / "opt" / "triton"))
+
     def ok() -> bool:
         return (d / "backends" / "python" / "triton_python_backend_stub").exists() and (d / "pyenv").is_dir()
 
     if not ok():
-        _install(shared_tools() / "triton-reference" / "install.sh", d, "triton")
+        ref = reference_tool("triton-reference")
+        if ref is None:
+            log(f"triton: not installed at {d}; " + reference_missing("triton-reference", "its install"))
+        else:
+            _install(ref / "install.sh", d, "triton")
     return d if ok() else None
 
 
 def python_limit_dir() -> Path | None:
-    d = Path(os.environ.get("PYTHON_LIMIT_DIR", shared_tools() / "python-limit"))
+    """The folder with bare_http.py / bare_grpc.py: $PYTHON_LIMIT_DIR, else
+    $PIER_REFERENCE_TOOLS/python-limit; None when neither has both scripts."""
+    if os.environ.get("PYTHON_LIMIT_DIR"):
+        d: Path | None = Path(os.environ["PYTHON_LIMIT_DIR"])
+    else:
+        d = reference_tool("python-limit")
+    if d is None:
+        return None
     return d if (d / "bare_http.py").is_file() and (d / "bare_grpc.py").is_file() else None
 
 
@@ -123,7 +200,7 @@ def pier_command() -> list[str]:
     if os.environ.get("PIER"):
         return os.environ["PIER"].split()
     exe = Path(sys.executable).parent / "pier"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "server"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pier"]
 
 
 def free_port() -> int:
@@ -306,7 +383,9 @@ def _start_bare(script: str, name: str, protocol: str, timeout: float) -> Server
     """One of the python-limit servers, on a free port, ready to answer."""
     d = python_limit_dir()
     if d is None:
-        raise RuntimeError(f"no {script} (set PYTHON_LIMIT_DIR or SHARED_TOOLS)")
+        if os.environ.get("PYTHON_LIMIT_DIR"):
+            raise RuntimeError(f"no bare_http.py / bare_grpc.py in PYTHON_LIMIT_DIR={os.environ['PYTHON_LIMIT_DIR']}")
+        raise ToolMissing(reference_missing("python-limit", name))
     port = free_port()
     proc, log_path = _popen([sys.executable, str(d / script), str(port), "--uvloop"], script.removesuffix(".py"))
     address = {protocol: f"127.0.0.1:{port}"}
@@ -330,17 +409,25 @@ def start_bare_grpc(timeout: float = 30) -> Server:
     return _start_bare("bare_grpc.py", "bare grpc.aio", "grpc", timeout)
 
 
+TRITON = "Triton 2.51"
+
+
 def start_triton(repo: Path, timeout: float = 180) -> Server:
-    """The reference tritonserver via shared/tools/triton-reference/start.sh; stopped with stop.sh.
+    """The reference tritonserver via $PIER_REFERENCE_TOOLS/triton-reference/start.sh; stopped with stop.sh.
 
     start.sh/stop.sh keep server.pid and server.log in the install dir they are given, so an install
     shared with other users (tests, another benchmark) could have them stop each other's server. The
     harness therefore hands them a private run dir whose venv/, pyenv/ and backends/ are links to the
     real install: its pid file and log are ours alone, and stop.sh can only stop our tritonserver."""
+    scripts = reference_tool("triton-reference")
+    if scripts is None:
+        raise ToolMissing(reference_missing("triton-reference", TRITON))
+    if not (scripts / "start.sh").is_file() or not (scripts / "stop.sh").is_file():
+        raise RuntimeError(f"reference Triton unavailable: no start.sh / stop.sh in {scripts}")
     d = triton_dir()
-    scripts = shared_tools() / "triton-reference"
-    if d is None or not (scripts / "start.sh").is_file():
-        raise RuntimeError(f"reference Triton unavailable (TRITON_DIR install or {scripts}/start.sh missing)")
+    if d is None:
+        raise RuntimeError(f"reference Triton unavailable: not installed at TRITON_DIR "
+                           f"({os.environ.get('TRITON_DIR', '~/opt/triton')}) and {scripts}/install.sh failed")
     LOGS.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="triton-run-", dir=CACHE))
     for name in ("venv", "pyenv", "backends"):
@@ -366,7 +453,7 @@ def start_triton(repo: Path, timeout: float = 180) -> Server:
     except BaseException:
         stop()
         raise
-    server = Server("Triton 2.51", http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}",
+    server = Server(TRITON, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}",
                     log_path=run_dir / "server.log", stop_fn=stop)
     with contextlib.suppress(OSError, ValueError):
         server.pid = int((run_dir / "server.pid").read_text().strip())
@@ -383,7 +470,8 @@ class Servers(contextlib.ExitStack):
 
     def __init__(self) -> None:
         super().__init__()
-        self.missing: dict[str, str] = {}
+        self.missing: dict[str, str] = {}  # label -> why it is left out (first line)
+        self.skipped: dict[str, str] = {}  # label -> the note for a row whose reference tool is not there
         self._old_term = None
 
     def __enter__(self) -> Servers:
@@ -401,11 +489,21 @@ class Servers(contextlib.ExitStack):
                 with contextlib.suppress(ValueError):
                     signal.signal(signal.SIGTERM, self._old_term)
 
+    def left_out_notes(self) -> list[str]:
+        """One report note per server that could not be started (skipped reference rows included)."""
+        return [self.skipped.get(label) or f"{label} left out: {why}" for label, why in self.missing.items()]
+
     def add(self, label: str, start: Callable[[], Server], required: bool = False) -> Server | None:
         log(f"starting {label}")
         t0 = time.monotonic()
         try:
             server = start()
+        except ToolMissing as exc:
+            if required:
+                raise
+            log(str(exc))
+            self.missing[label] = self.skipped[label] = str(exc)
+            return None
         except Exception as exc:
             if required:
                 raise

@@ -51,8 +51,7 @@ def run(settings: Settings) -> Path:
               PIER_NO_DELAY: servers.add(PIER_NO_DELAY,
                                          lambda: start_pier("pier_json_no_delay", tmp / "pier_no_delay")),
               BARE: servers.add(BARE, start_bare_http)}
-        for label, why in servers.missing.items():
-            notes.append(f"{label} left out: {why}")
+        notes += servers.left_out_notes()
         names = [n for n in (PIER, PIER_NO_DELAY, BARE) if up[n] is not None]
         for rnd in range(settings.rounds):
             order = names if rnd % 2 == 0 else names[::-1]

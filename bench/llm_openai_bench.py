@@ -8,7 +8,9 @@ first token p50/p99 and end-to-end latency p50/p99 per request.
     .venv/bin/python -m bench.llm_openai_bench            # writes bench/results/llm_openai.{md,json,png}
     .venv/bin/python -m bench.llm_openai_bench --quick    # 16 requests, 8 streams, no vLLM
 
-vLLM: `../shared/tools/vllm-reference/install.sh ~/vllm-ref` first; skipped with a note when absent.
+vLLM: needs PIER_REFERENCE_TOOLS (its vllm-reference/ holds serve.sh / stop.sh) and the venv that
+`$PIER_REFERENCE_TOOLS/vllm-reference/install.sh ~/vllm-ref` installs (or --vllm-dir); skipped with a
+note when either is absent.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import python_path
-from bench.llm_bench import CACHE, RESULTS, ROOT, VLLM_TOOLS, build_model, log, workload
+from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_tools, vllm_unavailable, workload
 
 MODEL = "llama27m"
 
@@ -128,7 +130,7 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
         http, grpc_, metrics = _free_port(), _free_port(), _free_port()
         log_file = open(Path(tmp) / "pier.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", f"--model-repository={repo}", f"--http-port={http}",
+            [sys.executable, "-m", "pier", "serve", f"--model-repository={repo}", f"--http-port={http}",
              f"--grpc-port={grpc_}", f"--metrics-port={metrics}", "--http-address=127.0.0.1",
              "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"],
             cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": python_path()})
@@ -142,13 +144,16 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
 
 
 def run_vllm(folder: Path, workloads: Workloads, streams: int, vllm_dir: Path) -> dict[str, Any] | str:
-    if not (vllm_dir / "venv" / "bin" / "python").exists():
-        return f"skipped: no vLLM reference venv at {vllm_dir} (install with {VLLM_TOOLS}/install.sh)"
+    why = vllm_unavailable(vllm_dir, "serve.sh", "stop.sh")
+    if why is not None:
+        return why
+    tools = vllm_tools()
+    assert tools is not None
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["WAIT_S"] = "600"
     # serve.sh starts the server in the background and returns once /v1/models answers.
-    started = subprocess.run(["bash", str(VLLM_TOOLS / "serve.sh"), str(vllm_dir), str(folder), str(port),
+    started = subprocess.run(["bash", str(tools / "serve.sh"), str(vllm_dir), str(folder), str(port),
                               "--served-model-name", MODEL, "--block-size", "32"],
                              capture_output=True, text=True, env=env, timeout=900, check=False)
     try:
@@ -156,7 +161,7 @@ def run_vllm(folder: Path, workloads: Workloads, streams: int, vllm_dir: Path) -
             return f"failed to start: {(started.stderr or started.stdout).strip()[-300:]}"
         return _drive_rounds(f"http://127.0.0.1:{port}", workloads, streams)
     finally:
-        subprocess.run(["bash", str(VLLM_TOOLS / "stop.sh"), str(vllm_dir)], stdout=subprocess.DEVNULL,
+        subprocess.run(["bash", str(tools / "stop.sh"), str(vllm_dir)], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, check=False)
 
 

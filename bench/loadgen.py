@@ -108,7 +108,7 @@ async def _run_grpc(target: str, request: Any, concurrency: int, duration_s: flo
                     max_requests: int, request_timeout: float, check) -> Point:
     import grpc
 
-    from server.protocol import grpc_service_pb2_grpc as pb_grpc
+    from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)]) as channel:
         infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer

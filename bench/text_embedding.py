@@ -17,7 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from bench import report
-from bench.common import ROOT, Server, Servers, Settings, log, measure, perf_analyzer, start_pier, temp_dir
+from bench.common import (
+    ROOT,
+    Server,
+    Servers,
+    Settings,
+    log,
+    measure,
+    perf_analyzer_required,
+    start_pier,
+    temp_dir,
+)
 from bench.measure import Point, perf_analyzer_point, timed_loop
 
 MODEL = "text_embedding"
@@ -143,9 +153,7 @@ def run(settings: Settings) -> Path:
 
     from bench.tokenization import Tokenizer, fixed_length_inputs
 
-    pa = perf_analyzer()
-    if pa is None:
-        raise RuntimeError("perf_analyzer not available (set PERF_ANALYZER or PERF_ANALYZER_DIR)")
+    pa = perf_analyzer_required()
     model_file = ensure_model()
     started = report.started_info()
     tok = Tokenizer(max_length=SEQ_LEN)

@@ -107,7 +107,7 @@ def build_repo(repo: Path, kind: str) -> nn.Module:
 
 
 def infer_request(model: str, ids: np.ndarray, mask: np.ndarray):  # noqa: ANN201 - a ModelInferRequest
-    from server.protocol import grpc_service_pb2 as pb
+    from pier.protocol import grpc_service_pb2 as pb
 
     req = pb.ModelInferRequest(model_name=model)
     for name, arr in (("input_ids", ids), ("attention_mask", mask)):

@@ -45,7 +45,7 @@ output [
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
-# Same as ../shared/tools/triton-reference/models/identity_fp32, with the ONNX platform.
+# The same model as the reference Triton's python-backend identity_fp32 (bench/identity.py), on ONNX.
 IDENTITY_FP32_CONFIG = """\
 # Identity: OUTPUT0 = INPUT0, variable-length FP32 vector, batched by the dynamic batcher.
 name: "identity_fp32"

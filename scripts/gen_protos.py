@@ -22,14 +22,14 @@ pinned version.
 Post-processing applied to protoc's output:
 
 * sibling imports (``import model_config_pb2 as ...``) become package
-  imports (``from server.protocol import model_config_pb2 as ...``);
+  imports (``from pier.protocol import model_config_pb2 as ...``);
 * descriptors are added to the private pool ``server.protocol._pool.POOL``
   instead of ``descriptor_pool.Default()``, so these modules can share a
   process with ``tritonclient.grpc``, which defines the same
   ``inference.*`` names in the default pool;
 * message classes are built by ``_pool.build_top_descriptors_and_messages``
   (registers them in the private symbol database, not the default one) with
-  ``__module__ = "server.protocol.<name>"``;
+  ``__module__ = "pier.protocol.<name>"``;
 * the empty ``model_config_pb2_grpc.py`` (no services) is not written.
 
 The output is deterministic: running the script twice yields identical files.
@@ -47,7 +47,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO_ROOT / "protos"
 DEFAULT_OUT = REPO_ROOT / "server" / "protocol"
-PACKAGE = "server.protocol"
+PACKAGE = "pier.protocol"
 PINNED_GRPCIO_TOOLS = "1.81.1"
 
 PROTOS = ("model_config.proto", "grpc_service.proto", "health.proto")

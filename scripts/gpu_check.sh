@@ -17,7 +17,13 @@
 set -uo pipefail
 PY=${1:-python3}
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Pier as the package `pier` without installing it (no setuptools needed): the same mapping as
+# pyproject.toml's package-dir, server/ -> pier and backends/ -> pier.backends, as a link tree.
+TREE=$(mktemp -d)/pier
+mkdir -p "$TREE"
+for f in server/*; do ln -s "$PWD/$f" "$TREE/"; done
+ln -s "$PWD/backends" "$TREE/backends"
+export PYTHONPATH=$PWD:$(dirname "$TREE")${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: none"
 "$PY" - <<'PY'
 import importlib

@@ -10,18 +10,18 @@ import signal
 
 from aiohttp import web
 
-from server import log_settings, restrictions
-from server.control_plane import ControlPlane
-from server.data_plane import DataPlane
-from server.frontends.grpc.servicer import start_grpc_server
-from server.frontends.http.app import build_app
-from server.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
-from server.repository.manager import RepositoryManager
-from server.repository.watcher import RepositoryWatcher
-from server.response_cache import ResponseCache
-from server.services import PlaneServices
-from server.settings import Settings
-from server.tracing import Tracer, parse_trace_config
+from pier import log_settings, restrictions
+from pier.control_plane import ControlPlane
+from pier.data_plane import DataPlane
+from pier.frontends.grpc.servicer import start_grpc_server
+from pier.frontends.http.app import build_app
+from pier.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
+from pier.repository.manager import RepositoryManager
+from pier.repository.watcher import RepositoryWatcher
+from pier.response_cache import ResponseCache
+from pier.services import PlaneServices
+from pier.settings import Settings
+from pier.tracing import Tracer, parse_trace_config
 
 log = logging.getLogger("pier")
 

@@ -7,8 +7,8 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.base import Backend
-from server.errors import invalid_arg, unavailable
+from pier.backends.base import Backend
+from pier.errors import invalid_arg, unavailable
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,11 @@ class BackendEntry:
 
 
 _ENTRIES: tuple[BackendEntry, ...] = (
-    BackendEntry("onnxruntime", "onnxruntime_onnx", "backends.onnxruntime.backend", "model.onnx"),
-    BackendEntry("pytorch", "pytorch_libtorch", "backends.pytorch.backend", "model.pt"),
-    BackendEntry("tensorrt", "tensorrt_plan", "backends.tensorrt.backend", "model.plan"),
-    BackendEntry("python", "", "backends.python.backend", "model.py"),
-    BackendEntry("llm", "", "backends.llm.backend", "config.json"),  # a Hugging Face folder
+    BackendEntry("onnxruntime", "onnxruntime_onnx", "pier.backends.onnxruntime.backend", "model.onnx"),
+    BackendEntry("pytorch", "pytorch_libtorch", "pier.backends.pytorch.backend", "model.pt"),
+    BackendEntry("tensorrt", "tensorrt_plan", "pier.backends.tensorrt.backend", "model.plan"),
+    BackendEntry("python", "", "pier.backends.python.backend", "model.py"),
+    BackendEntry("llm", "", "pier.backends.llm.backend", "config.json"),  # a Hugging Face folder
 )
 # Ensembles have a platform and no backend: the server schedules their steps itself.
 ENSEMBLE = BackendEntry("", "ensemble", "", "")

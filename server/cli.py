@@ -8,8 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from server import __version__
-from server.settings import SERVER_NAME, GrpcSsl, Settings
+from pier import __version__
+from pier.settings import SERVER_NAME, GrpcSsl, Settings
 
 
 def _bool(value: str) -> bool:
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    from server import model_cli
+    from pier import model_cli
 
     model_cli.add_parser(sub)
     return parser
@@ -151,19 +151,19 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--load-model requires --model-control-mode=explicit")
     if "*" in args.load_model and len(args.load_model) > 1:
         parser.error("--load-model=* must be the only --load-model")
-    from server.metrics.registry import MetricsConfig
+    from pier.metrics.registry import MetricsConfig
 
     try:
         MetricsConfig.parse(args.metrics_config)
     except ValueError as exc:
         parser.error(str(exc))
-    from server.tracing import parse_trace_config
+    from pier.tracing import parse_trace_config
 
     try:
         parse_trace_config(args.trace_config)
     except ValueError as exc:
         parser.error(str(exc))
-    from server import restrictions
+    from pier import restrictions
 
     for flag_name, specs in (("--http-restricted-api", args.http_restricted_api),
                              ("--grpc-restricted-protocol", args.grpc_restricted_protocol)):
@@ -177,7 +177,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             re.compile(pattern)
         except re.error as exc:
             parser.error(f"{flag_name} {pattern!r}: not a regular expression ({exc})")
-    from server.response_cache import parse_cache_config
+    from pier.response_cache import parse_cache_config
 
     try:
         cache_bytes = parse_cache_config(args.cache_config)
@@ -237,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from server.app import run
+        from pier.app import run
 
         return run(settings_from_args(args, parser))
     if args.command == "model":
-        from server import model_cli
+        from pier import model_cli
 
         return model_cli.run(args)
     parser.error(f"unknown command {args.command}")

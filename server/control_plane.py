@@ -9,9 +9,9 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from server.errors import invalid_arg, unavailable
-from server.repository.manager import LoadOverride, RepositoryManager, check_file_parameter
-from server.repository.source import is_version
+from pier.errors import invalid_arg, unavailable
+from pier.repository.manager import LoadOverride, RepositoryManager, check_file_parameter
+from pier.repository.source import is_version
 
 FILE_PREFIX = "file:"
 

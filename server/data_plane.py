@@ -8,20 +8,20 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from server import __version__
-from server.classification import class_count, classify
-from server.errors import PierError, invalid_arg, unavailable, unsupported
-from server.lifecycle.loaded_model import LoadedModel
-from server.protocol import model_config_pb2 as mc
-from server.repository.manager import RepositoryManager
-from server.repository.source import is_version
-from server.response_cache import ResponseCache
-from server.scheduling.base import WorkItem
-from server.settings import SERVER_NAME
-from server.shared_memory import SystemSharedMemory
-from server.tracing import Trace, Tracer
-from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
-from server.validation import to_api_outputs, validate_request
+from pier import __version__
+from pier.classification import class_count, classify
+from pier.errors import PierError, invalid_arg, unavailable, unsupported
+from pier.lifecycle.loaded_model import LoadedModel
+from pier.protocol import model_config_pb2 as mc
+from pier.repository.manager import RepositoryManager
+from pier.repository.source import is_version
+from pier.response_cache import ResponseCache
+from pier.scheduling.base import WorkItem
+from pier.settings import SERVER_NAME
+from pier.shared_memory import SystemSharedMemory
+from pier.tracing import Trace, Tracer
+from pier.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
+from pier.validation import to_api_outputs, validate_request
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("classification", "sequence", "model_repository", "model_repository(unload_dependents)",

@@ -60,7 +60,7 @@ def http_category(path: str) -> str | None:
 
 
 def http_middleware(rules: Rules) -> Callable[..., Awaitable[web.StreamResponse]]:
-    from server.frontends.http.app import error_response  # the one JSON error shape
+    from pier.frontends.http.app import error_response  # the one JSON error shape
 
     @web.middleware
     async def restrict(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -10,10 +10,10 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from server.control_plane import ControlPlane
-from server.data_plane import DataPlane
-from server.errors import PierError, internal
-from server.types import InferenceRequest, InferenceResponse
+from pier.control_plane import ControlPlane
+from pier.data_plane import DataPlane
+from pier.errors import PierError, internal
+from pier.types import InferenceRequest, InferenceResponse
 
 _END = object()
 

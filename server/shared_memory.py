@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from server.classification import class_count
-from server.datatypes import from_raw, to_raw
-from server.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
-from server.types import Tensor
+from pier.classification import class_count
+from pier.datatypes import from_raw, to_raw
+from pier.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
+from pier.types import Tensor
 
 SHM_DIR = "/dev/shm"
 PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import ErrorCode, PierError, invalid_arg
+from pier.errors import ErrorCode, PierError, invalid_arg
 
 log = logging.getLogger("pier.trace")
 

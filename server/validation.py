@@ -7,8 +7,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from server.errors import PierError, invalid_arg
-from server.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
+from pier.errors import PierError, invalid_arg
+from pier.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
 _BATCH_NOTE = (
     " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "

@@ -3,7 +3,6 @@ loopback ports (tests talk to it with tritonclient, grpc and plain HTTP)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -69,14 +68,13 @@ class PierProcess:
 def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool = True,
                timeout: float = 60) -> PierProcess:
     http, grpc_, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "server", "serve",
+    cmd = [sys.executable, "-m", "pier", "serve",
            *[f"--model-repository={r}" for r in repos],
            f"--http-port={http}", f"--grpc-port={grpc_}", f"--metrics-port={metrics}",
            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", *extra]
     log = open(log_path, "wb")
-    # ROOT first; keep the caller's entries (the GPU machines' carried wheels live on PYTHONPATH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    # The installed `pier` (the environment as it is: the GPU machines' carried wheels live on PYTHONPATH)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     server = PierProcess(proc, http, grpc_, metrics, log_path)
     if not wait_ready:
         return server

@@ -1,11 +1,11 @@
-"""The LLM engine: paged KV cache, continuous batching, prefix caching, sampling (see ARCHITECTURE.md).
+"""The LLM engine: paged KV cache, continuous batching, prefix caching, sampling (see docs/llm.md).
 
 Public API (what the server's llm backend uses):
 
-    from backends.llm.engine import LLMEngine, RequestOutput, EngineStats
-    from backends.llm.async_engine import AsyncLLMEngine
-    from backends.llm.sampling_params import SamplingParams
-    from backends.llm.config import EngineConfig
+    from pier.backends.llm.engine import LLMEngine, RequestOutput, EngineStats
+    from pier.backends.llm.async_engine import AsyncLLMEngine
+    from pier.backends.llm.sampling_params import SamplingParams
+    from pier.backends.llm.config import EngineConfig
 
     engine = AsyncLLMEngine.from_parameters(model_dir, {"block_size": "16", ...})
     async for out in engine.generate("prompt" or [token ids], SamplingParams.from_json({...}), "req-1"):

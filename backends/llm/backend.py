@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
-from server.errors import PierError, internal, invalid_arg, unavailable
-from server.types import InferenceRequest, ModelSignature, Tensor
+from pier.backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from pier.errors import PierError, internal, invalid_arg, unavailable
+from pier.types import InferenceRequest, ModelSignature, Tensor
 
 INPUTS = (
     ("text_input", "BYTES", (1,)),
@@ -191,8 +191,8 @@ class LLMInstance(ModelInstance):
     unbatched = True
 
     def __init__(self, ctx: ModelContext, where: InstanceContext) -> None:
-        from backends.llm.async_engine import AsyncLLMEngine
-        from backends.llm.sampling_params import SamplingParams
+        from pier.backends.llm.async_engine import AsyncLLMEngine
+        from pier.backends.llm.sampling_params import SamplingParams
 
         self._sampling_cls = SamplingParams
         params = dict(ctx.spec.parameters)

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, Outputs
-from backends.python import triton_python_backend_utils as pb_utils
-from backends.python.bls import error_of, to_pb_request, to_pier_tensor
-from server.errors import internal, invalid_arg, unavailable
-from server.types import InferenceRequest, ModelSignature
+from pier.backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, Outputs
+from pier.backends.python import triton_python_backend_utils as pb_utils
+from pier.backends.python.bls import error_of, to_pb_request, to_pier_tensor
+from pier.errors import internal, invalid_arg, unavailable
+from pier.types import InferenceRequest, ModelSignature
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _import_lock = threading.Lock()

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.python import triton_python_backend_utils as pb_utils
-from server.errors import ErrorCode, PierError
-from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from pier.backends.python import triton_python_backend_utils as pb_utils
+from pier.errors import ErrorCode, PierError
+from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 _CODES = {
     pb_utils.TritonError.UNKNOWN: ErrorCode.UNKNOWN, pb_utils.TritonError.INTERNAL: ErrorCode.INTERNAL,

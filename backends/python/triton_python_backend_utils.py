@@ -276,7 +276,7 @@ class InferenceRequest:
     def exec(self, decoupled: bool = False) -> InferenceResponse | Iterator[InferenceResponse]:
         """Run this request on another loaded model and wait (Triton's BLS)."""
         services = _require_services()
-        from backends.python.bls import to_pb_response, to_server_request
+        from pier.backends.python.bls import to_pb_response, to_server_request
 
         request = to_server_request(self)
         if decoupled:
@@ -289,7 +289,7 @@ class InferenceRequest:
     def async_exec(self, decoupled: bool = False) -> Any:
         """Awaitable form of exec, for `async def execute`."""
         services = _require_services()
-        from backends.python.bls import to_pb_response, to_server_request
+        from pier.backends.python.bls import to_pb_response, to_server_request
 
         request = to_server_request(self)
         if decoupled:  # awaited, it gives every response (the last one may be empty: the final flag)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
-from server.errors import PierError, internal, invalid_arg, unavailable
-from server.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
+from pier.backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
+from pier.errors import PierError, internal, invalid_arg, unavailable
+from pier.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
 
 try:
     import torch

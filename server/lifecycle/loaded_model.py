@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from backends.base import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
-from server.errors import unavailable
-from server.repository.model_config import batching_policy
-from server.scheduling.base import Scheduler
-from server.scheduling.direct import DirectScheduler
-from server.scheduling.dynamic_batcher import DynamicBatcher
-from server.scheduling.ragged import BatchLayout
-from server.scheduling.sequence_batcher import SequenceBatcher
-from server.statistics import ModelStatistics
-from server.types import ModelSpec
+from pier.backends.base import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
+from pier.errors import unavailable
+from pier.repository.model_config import batching_policy
+from pier.scheduling.base import Scheduler
+from pier.scheduling.direct import DirectScheduler
+from pier.scheduling.dynamic_batcher import DynamicBatcher
+from pier.scheduling.ragged import BatchLayout
+from pier.scheduling.sequence_batcher import SequenceBatcher
+from pier.statistics import ModelStatistics
+from pier.types import ModelSpec
 
 _load_ids = itertools.count(1)
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.base import ModelInstance
-from server import datatypes
-from server.errors import PierError, invalid_arg
-from server.protocol import model_config_pb2 as mc
-from server.scheduling.batch import merge
-from server.scheduling.ragged import BatchLayout
-from server.statistics import ModelStatistics
-from server.types import InferenceRequest, ModelSpec, Tensor
-from server.validation import validate_request
+from pier import datatypes
+from pier.backends.base import ModelInstance
+from pier.errors import PierError, invalid_arg
+from pier.protocol import model_config_pb2 as mc
+from pier.scheduling.batch import merge
+from pier.scheduling.ragged import BatchLayout
+from pier.statistics import ModelStatistics
+from pier.types import InferenceRequest, ModelSpec, Tensor
+from pier.validation import validate_request
 
 
 def _tensor(name: str, spec_input: mc.ModelWarmup.Input, shape: list[int], model_dir: Path,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import prometheus_client
 
-from server.lifecycle.loaded_model import LoadedModel
-from server.response_cache import ResponseCache
-from server.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
+from pier.lifecycle.loaded_model import LoadedModel
+from pier.response_cache import ResponseCache
+from pier.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

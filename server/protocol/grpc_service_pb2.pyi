@@ -1,5 +1,5 @@
-# Post-processed by scripts/gen_protos.py: private descriptor pool, server.protocol imports.
-from server.protocol import model_config_pb2 as _model_config_pb2
+# Post-processed by scripts/gen_protos.py: private descriptor pool, pier.protocol imports.
+from pier.protocol import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,14 +3,14 @@
 # NO CHECKED-IN PROTOBUF GENCODE
 # source: health.proto
 # Protobuf Python Version: 6.33.5
-# Post-processed by scripts/gen_protos.py: private descriptor pool, server.protocol imports.
+# Post-processed by scripts/gen_protos.py: private descriptor pool, pier.protocol imports.
 """Generated protocol buffer code."""
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-from server.protocol import _pool as _pier_pool
+from pier.protocol import _pool as _pier_pool
 _runtime_version.ValidateProtobufRuntimeVersion(
     _runtime_version.Domain.PUBLIC,
     6,
@@ -30,7 +30,7 @@ DESCRIPTOR = _pier_pool.POOL.AddSerializedFile(b'\n\x0chealth.proto\x12\x0egrpc.
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_pier_pool.build_top_descriptors_and_messages(DESCRIPTOR, 'server.protocol.health_pb2', _globals)
+_pier_pool.build_top_descriptors_and_messages(DESCRIPTOR, 'pier.protocol.health_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HEALTHCHECKREQUEST']._serialized_start=32

@@ -1,4 +1,4 @@
-# Post-processed by scripts/gen_protos.py: private descriptor pool, server.protocol imports.
+# Post-processed by scripts/gen_protos.py: private descriptor pool, pier.protocol imports.
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -21,18 +21,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from backends.base import ServerServices
-from server import backend_registry
-from server.errors import PierError, invalid_arg, not_found, unavailable
-from server.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
-from server.lifecycle.state import ModelState
-from server.lifecycle.warmup import record_warmup, warm_up
-from server.protocol import model_config_pb2 as mc
-from server.repository import model_config, source
-from server.repository.version_policy import select_versions
-from server.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
-from server.statistics import ModelStatistics
-from server.types import ModelSignature, ModelSpec
+from pier import backend_registry
+from pier.backends.base import ServerServices
+from pier.errors import PierError, invalid_arg, not_found, unavailable
+from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
+from pier.lifecycle.state import ModelState
+from pier.lifecycle.warmup import record_warmup, warm_up
+from pier.protocol import model_config_pb2 as mc
+from pier.repository import model_config, source
+from pier.repository.version_policy import select_versions
+from pier.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
+from pier.statistics import ModelStatistics
+from pier.types import ModelSignature, ModelSpec
 
 log = logging.getLogger("pier.repository")
 

@@ -19,15 +19,15 @@ import numpy as np
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from server import backend_registry
-from server.classification import read_labels
-from server.datatypes import config_to_datatype, datatype_to_config, from_raw, numpy_dtype
-from server.errors import PierError, invalid_arg
-from server.protocol import model_config_pb2 as mc
-from server.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
-from server.scheduling.ragged import BatchLayout
-from server.scheduling.sequence_batcher import Control, SequencePolicy, StateSpec
-from server.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
+from pier import backend_registry
+from pier.classification import read_labels
+from pier.datatypes import config_to_datatype, datatype_to_config, from_raw, numpy_dtype
+from pier.errors import PierError, invalid_arg
+from pier.protocol import model_config_pb2 as mc
+from pier.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
+from pier.scheduling.ragged import BatchLayout
+from pier.scheduling.sequence_batcher import Control, SequencePolicy, StateSpec
+from pier.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
 
 ModelConfig = mc.ModelConfig
 Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.protocol import model_config_pb2 as mc
+from pier.protocol import model_config_pb2 as mc
 
 
 def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:

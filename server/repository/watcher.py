@@ -11,7 +11,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from server.repository.manager import RepositoryManager
+from pier.repository.manager import RepositoryManager
 
 log = logging.getLogger("pier.watcher")
 

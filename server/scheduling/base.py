@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from backends.base import ExecuteResult, ModelInstance
-from server.errors import PierError, internal
-from server.types import InferenceRequest
+from pier.backends.base import ExecuteResult, ModelInstance
+from pier.errors import PierError, internal
+from pier.types import InferenceRequest
 
 
 @dataclass(slots=True)

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from backends.base import ExecuteResult
-from server.errors import internal
-from server.scheduling.ragged import BatchLayout, batch_input_tensors, scatter
-from server.types import InferenceRequest, RequestedOutput, Tensor
+from pier.backends.base import ExecuteResult
+from pier.errors import internal
+from pier.scheduling.ragged import BatchLayout, batch_input_tensors, scatter
+from pier.types import InferenceRequest, RequestedOutput, Tensor
 
 CompatKey = tuple[tuple[str, str, tuple[int, ...] | None], ...]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 
-from backends.base import ExecuteResult, ModelInstance
-from server.errors import PierError, internal
-from server.scheduling.base import Scheduler, WorkItem
-from server.scheduling.batch import merge, split
-from server.scheduling.instance_pool import InstancePool, JobResult
-from server.scheduling.ragged import BatchLayout
-from server.statistics import ModelStatistics
+from pier.backends.base import ExecuteResult, ModelInstance
+from pier.errors import PierError, internal
+from pier.scheduling.base import Scheduler, WorkItem
+from pier.scheduling.batch import merge, split
+from pier.scheduling.instance_pool import InstancePool, JobResult
+from pier.scheduling.ragged import BatchLayout
+from pier.statistics import ModelStatistics
 
 
 class DirectScheduler(Scheduler):

@@ -22,14 +22,14 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from backends.base import ExecuteResult, ModelInstance
-from server.errors import PierError, internal, unavailable
-from server.scheduling.base import Scheduler, WorkItem
-from server.scheduling.batch import CompatKey, compat_key, merge, split
-from server.scheduling.instance_pool import InstancePool, JobResult
-from server.scheduling.ragged import BatchLayout
-from server.statistics import ModelStatistics
-from server.validation import request_prefix
+from pier.backends.base import ExecuteResult, ModelInstance
+from pier.errors import PierError, internal, unavailable
+from pier.scheduling.base import Scheduler, WorkItem
+from pier.scheduling.batch import CompatKey, compat_key, merge, split
+from pier.scheduling.instance_pool import InstancePool, JobResult
+from pier.scheduling.ragged import BatchLayout
+from pier.statistics import ModelStatistics
+from pier.validation import request_prefix
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import ExecuteResult
-from server.errors import PierError, internal, invalid_arg, unavailable
-from server.protocol import model_config_pb2 as mc
-from server.scheduling.base import Scheduler, WorkItem
-from server.statistics import ModelStatistics
-from server.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
+from pier.backends.base import ExecuteResult
+from pier.errors import PierError, internal, invalid_arg, unavailable
+from pier.protocol import model_config_pb2 as mc
+from pier.scheduling.base import Scheduler, WorkItem
+from pier.statistics import ModelStatistics
+from pier.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
 Stream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse | PierError]]

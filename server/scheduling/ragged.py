@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.errors import PierError, internal, invalid_arg
-from server.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
-from server.validation import request_prefix
+from pier.errors import PierError, internal, invalid_arg
+from pier.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
+from pier.validation import request_prefix
 
 _NUMPY = {"INT32": np.int32, "FP32": np.float32}
 

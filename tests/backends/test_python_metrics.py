@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.python import triton_python_backend_utils as pb_utils
+from pier.backends.python import triton_python_backend_utils as pb_utils
 
 
 def _made_by(owner: object, name: str, kind: int) -> pb_utils.MetricFamily:

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.base import InstanceContext, ModelContext
-from backends.pytorch.backend import BACKEND
-from server.errors import ErrorCode, PierError
-from server.types import InferenceRequest, InstanceGroupSpec, ModelSpec, RequestedOutput, Tensor, TensorSpec
+from pier.backends.base import InstanceContext, ModelContext
+from pier.backends.pytorch.backend import BACKEND
+from pier.errors import ErrorCode, PierError
+from pier.types import InferenceRequest, InstanceGroupSpec, ModelSpec, RequestedOutput, Tensor, TensorSpec
 from tests.conftest import EXAMPLE_REPO, ROOT
 
 torch = pytest.importorskip("torch", reason="the TorchScript backend tests need torch (pip install pier[torch])")
@@ -138,7 +138,7 @@ def test_optional_forward_argument_may_be_left_out(tmp_path):
 @pytest.mark.parametrize("datatype", ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64",
                                       "FP16", "FP32", "FP64", "BF16"])
 def test_datatypes_round_trip(tmp_path, datatype):
-    from server.datatypes import numpy_dtype
+    from pier.datatypes import numpy_dtype
 
     model = _model(tmp_path, Identity(), [("INPUT__0", datatype)], [("OUTPUT__0", datatype)])
     data = (np.arange(12).reshape(3, 4) % 2 == 1) if datatype == "BOOL" else np.arange(12).reshape(3, 4)
@@ -276,10 +276,10 @@ def test_without_torch_the_load_error_says_to_install_it(tmp_path):
     script = (
         "import sys; sys.modules['torch'] = None\n"  # makes `import torch` raise ImportError
         "from pathlib import Path\n"
-        "from backends.base import InstanceContext, ModelContext\n"
-        "from backends.pytorch.backend import BACKEND\n"
-        "from server.errors import PierError\n"
-        "from server.types import ModelSpec, TensorSpec\n"
+        "from pier.backends.base import InstanceContext, ModelContext\n"
+        "from pier.backends.pytorch.backend import BACKEND\n"
+        "from pier.errors import PierError\n"
+        "from pier.types import ModelSpec, TensorSpec\n"
         "spec = ModelSpec('m', 'pytorch_libtorch', 'pytorch', 0, (TensorSpec('INPUT__0', 'FP32', (-1,)),),\n"
         "                 (TensorSpec('OUTPUT__0', 'FP32', (-1,)),), (), 'model.pt', {})\n"
         f"ctx = ModelContext(spec, 1, Path({str(model.model_dir)!r}), Path({str(model.version_dir)!r}))\n"

@@ -14,8 +14,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from server.protocol import grpc_service_pb2 as pb
-from server.protocol import grpc_service_pb2_grpc as pb_grpc
+from pier.protocol import grpc_service_pb2 as pb
+from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_pier
 
 LIMIT = 1 << 20  # 1 MiB

@@ -171,7 +171,7 @@ def test_grpc_stream_infer(pier):
 def test_grpc_health_service(pier):
     import grpc
 
-    from server.protocol import health_pb2, health_pb2_grpc
+    from pier.protocol import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(pier.grpc_url) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
@@ -226,7 +226,7 @@ def test_grpc_stream_with_an_unreadable_message_fails_after_answering_what_came_
     OK that drops the requests after it); the request read before it still gets its answer."""
     import grpc
 
-    from server.protocol import grpc_service_pb2 as pb
+    from pier.protocol import grpc_service_pb2 as pb
 
     def request(rid: str) -> bytes:
         req = pb.ModelInferRequest(model_name="simple", id=rid)

@@ -104,8 +104,8 @@ def test_grpc_typed_contents(pier, datatype):
     """Requests that use typed `contents` instead of raw bytes (as some non-Triton clients do)."""
     import grpc
 
-    from server.protocol import grpc_service_pb2 as pb
-    from server.protocol import grpc_service_pb2_grpc as pb_grpc
+    from pier.protocol import grpc_service_pb2 as pb
+    from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 
     data = sample(datatype)
     field = {"BOOL": "bool_contents", "INT8": "int_contents", "INT32": "int_contents",
@@ -117,7 +117,7 @@ def test_grpc_typed_contents(pier, datatype):
     with grpc.insecure_channel(pier.grpc_url) as channel:
         resp = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req)
     assert list(resp.outputs[0].shape) == list(data.shape)
-    from server.datatypes import from_raw
+    from pier.datatypes import from_raw
 
     got = from_raw(resp.raw_output_contents[0], datatype, list(data.shape), "OUTPUT0")
     _check(got, data, datatype)

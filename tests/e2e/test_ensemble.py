@@ -140,8 +140,8 @@ def test_step_failure_is_named_and_counted_as_triton_does(server: PierProcess) -
 
 
 def test_invalid_ensemble_shape(tmp_path: Path) -> None:
-    from server.repository import model_config
-    from server.scheduling.ensemble import build_plan
+    from pier.repository import model_config
+    from pier.scheduling.ensemble import build_plan
 
     simple = model_config.parse_config_file(EXAMPLE_REPO / "simple" / "config.pbtxt")
     simple_spec = model_config.build_spec(simple)

@@ -316,7 +316,7 @@ def test_racing_load_unload_end_consistent(server: PierProcess) -> None:
 
 def test_model_cli(server: PierProcess) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "server", "model", "--url", server.http_url, *args],
+        return subprocess.run([sys.executable, "-m", "pier", "model", "--url", server.http_url, *args],
                               capture_output=True, text=True, cwd=ROOT, timeout=60)
 
     out = cli("load", "addv")

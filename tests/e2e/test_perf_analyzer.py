@@ -1,7 +1,7 @@
 """NVIDIA's perf_analyzer (the tool Triton users trust) drives `identity_fp32` over HTTP and
 gRPC without errors: it reads metadata, config and statistics and uses binary tensors.
 
-perf_analyzer is installed by `../shared/tools/perf-analyzer/install.sh` (`make perf-analyzer`,
+perf_analyzer is installed by `scripts/install_perf_analyzer.sh` (`make perf-analyzer`,
 run by CI); set PERF_ANALYZER to its path, else ~/opt/perf-analyzer/perf_analyzer is used."""
 
 from __future__ import annotations

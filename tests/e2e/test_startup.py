@@ -78,14 +78,14 @@ def test_exit_on_error_default_stops_with_the_error(tmp_path):
 
 
 def test_unknown_flag_is_an_error():
-    proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+    proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
                            "--no-such-flag=1"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2
     assert "--no-such-flag" in proc.stderr
 
 
 def test_load_model_needs_explicit_mode():
-    proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+    proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
                            "--load-model=simple"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2
     assert "explicit" in proc.stderr
@@ -114,7 +114,7 @@ def test_metrics_config_flags(tmp_path):
         assert "nv_cpu_memory_total_bytes" in text and "process_resident_memory_bytes" in text
     finally:
         assert server.stop() == 0
-    proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+    proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
                            "--metrics-config=bogus_latencies=true"], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 2 and "unsupported --metrics-config" in proc.stderr

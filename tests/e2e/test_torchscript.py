@@ -7,7 +7,6 @@ its tensors."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -122,15 +121,14 @@ def test_without_torch_other_models_keep_serving(tmp_path):
     (repo / "no_config" / "1").mkdir(parents=True)  # a TorchScript file alone cannot be auto-completed
     shutil.copy(EXAMPLE_REPO / "mlp_torchscript" / "1" / "model.pt", repo / "no_config" / "1" / "model.pt")
     ports = free_port(), free_port(), free_port()
-    blocker = "import sys; sys.modules['torch'] = None; from server.cli import main; sys.exit(main(sys.argv[1:]))"
+    blocker = "import sys; sys.modules['torch'] = None; from pier.cli import main; sys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", blocker, "serve", f"--model-repository={repo}", f"--http-port={ports[0]}",
            f"--grpc-port={ports[1]}", f"--metrics-port={ports[2]}", "--http-address=127.0.0.1",
            "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", "--exit-on-error=false",
            "--strict-readiness=false"]
     log_path = tmp_path / "log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     server = PierProcess(proc, *ports, log_path)
     try:
         deadline = time.monotonic() + 60

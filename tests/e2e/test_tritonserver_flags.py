@@ -47,7 +47,7 @@ def test_bad_values_and_missing_certificates_are_errors(tmp_path: Path) -> None:
                         (["--cache-config=local,size=lots"], "size must be a number of bytes"),
                         (["--grpc-use-ssl"], "--grpc-server-cert is required with --grpc-use-ssl"),
                         (["--grpc-use-ssl", f"--grpc-server-cert={tmp_path / 'nope.pem'}"], "no such file")):
-        proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}", *flags],
+        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}", *flags],
                               capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and text in proc.stderr, (flags, proc.stderr)
 
@@ -177,7 +177,7 @@ def test_restriction_flags_are_checked() -> None:
     for spec, text in (("bogus:k=v", "unknown restricted category 'bogus'"), ("inference", "CATEGORY"),
                        ("health, metadata:k=v", "unknown restricted category ' metadata'"), ("health:k=", "CATEGORY"),
                        ("inference,inference:k=v", "restricted more than once")):
-        proc = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={EXAMPLE_REPO}",
+        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
                                f"--http-restricted-api={spec}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and text in proc.stderr, (spec, proc.stderr)
 
@@ -205,6 +205,6 @@ def test_header_forward_patterns_make_headers_parameters(tmp_path: Path) -> None
             assert seen == {"p": 1, "my_header_1": "my_value_1", "my_header_2": "sent"}, (mod.__name__, seen)
     finally:
         assert server.stop() == 0
-    bad = subprocess.run([sys.executable, "-m", "server", "serve", f"--model-repository={repo}",
+    bad = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={repo}",
                           "--http-header-forward-pattern=("], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "not a regular expression" in bad.stderr, bad.stderr

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from backends.base import ModelInstance
-from server.errors import PierError
-from server.scheduling.base import WorkItem
-from server.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher, QueuePolicy
-from server.statistics import ModelStatistics
-from server.types import InferenceRequest, Tensor
+from pier.backends.base import ModelInstance
+from pier.errors import PierError
+from pier.scheduling.base import WorkItem
+from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher, QueuePolicy
+from pier.statistics import ModelStatistics
+from pier.types import InferenceRequest, Tensor
 
 
 class Recorder(ModelInstance):

@@ -7,8 +7,8 @@ import asyncio
 import threading
 import time
 
-from backends.base import ModelInstance
-from server.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool
+from pier.backends.base import ModelInstance
+from pier.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool
 
 
 class ThreadRecorder(ModelInstance):

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.errors import ErrorCode, PierError
-from server.protocol import model_config_pb2 as mc
-from server.repository import model_config
-from server.repository.version_policy import select_versions
-from server.types import InferenceRequest, RequestedOutput, Tensor
-from server.validation import check_parameters, validate_request
+from pier.errors import ErrorCode, PierError
+from pier.protocol import model_config_pb2 as mc
+from pier.repository import model_config
+from pier.repository.version_policy import select_versions
+from pier.types import InferenceRequest, RequestedOutput, Tensor
+from pier.validation import check_parameters, validate_request
 
 GOOD = """
 name: "m"
@@ -172,7 +172,7 @@ def test_example_configs_parse():
 
 
 def test_version_folders_are_ascii_integers_within_int64(tmp_path):
-    from server.repository.source import version_dirs
+    from pier.repository.source import version_dirs
 
     for name in ("1", "7", "01", "99999999999999999999999", "\u0661", "x"):
         (tmp_path / name).mkdir()
@@ -182,7 +182,7 @@ def test_version_folders_are_ascii_integers_within_int64(tmp_path):
 def test_bytes_that_are_not_utf8_in_a_config(tmp_path):
     """In a comment they are skipped, as Triton's parser skips them; in a value the error names
     the file, line and column."""
-    from server.repository.model_config import parse_config_file
+    from pier.repository.model_config import parse_config_file
 
     path = tmp_path / "config.pbtxt"
     path.write_bytes(b"# caf\xe9 latin-1 comment\nname: \"m\"\nmax_batch_size: 2\n")
@@ -195,7 +195,7 @@ def test_bytes_that_are_not_utf8_in_a_config(tmp_path):
 def test_config_json_that_is_not_a_model_config_says_so():
     """A load's `config` parameter: not an object, or nested past any config, is named as such (not
     with the parser's own words), with the source."""
-    from server.repository.model_config import parse_config_json
+    from pier.repository.model_config import parse_config_json
 
     for text, words in (("[1, 2]", "expected a JSON object"), ("[" * 100_000, "nested too deeply"),
                         ("{bad", "not JSON"), ('{"max_batch_size": 1, "max_batch_size": 8}',
@@ -208,7 +208,7 @@ def test_config_json_that_is_not_a_model_config_says_so():
 def test_forwarded_headers_never_set_what_the_server_interprets():
     """--http/grpc-header-forward-pattern: a header named priority / timeout / sequence_* would reach
     the schedulers as a string (a TypeError in the dynamic batcher); only the model's own names pass."""
-    from server.validation import forward_headers
+    from pier.validation import forward_headers
 
     params: dict = {"mine": 1}
     headers = [("priority", "1"), ("timeout", "5"), ("sequence_end", "false"), ("triton_x", "y"),

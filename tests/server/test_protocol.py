@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, text_format
 
-from server.protocol import (
+from pier.protocol import (
     _pool,
     grpc_service_pb2,
     grpc_service_pb2_grpc,
@@ -491,7 +491,7 @@ def test_private_pool():
     assert (
         _pool.POOL.FindMessageTypeByName("inference.ModelConfig") is model_config_pb2.ModelConfig.DESCRIPTOR
     )
-    assert model_config_pb2.ModelConfig.__module__ == "server.protocol.model_config_pb2"
+    assert model_config_pb2.ModelConfig.__module__ == "pier.protocol.model_config_pb2"
     default_pool = descriptor_pool.Default()
     try:
         found = default_pool.FindMessageTypeByName("inference.ModelConfig")
@@ -506,8 +506,8 @@ _IMPORT_CHECK = textwrap.dedent(
     from google.protobuf import descriptor_pool, text_format
 
     def ours():
-        from server.protocol import grpc_service_pb2, grpc_service_pb2_grpc, health_pb2_grpc  # noqa: F401
-        from server.protocol import model_config_pb2
+        from pier.protocol import grpc_service_pb2, grpc_service_pb2_grpc, health_pb2_grpc  # noqa: F401
+        from pier.protocol import model_config_pb2
         return model_config_pb2
 
     def triton():
@@ -535,7 +535,6 @@ _IMPORT_CHECK = textwrap.dedent(
 def test_import_alongside_tritonclient(order, impl):
     _triton_modules()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if impl == "python":
         # Pure-Python protobuf registers generated classes differently; make sure the
         # private pool stays private there too.

@@ -11,18 +11,18 @@ import time
 import numpy as np
 import pytest
 
-from backends.base import ModelInstance
-from server.errors import PierError
-from server.protocol import model_config_pb2 as mc
-from server.repository import model_config
-from server.scheduling.base import WorkItem
-from server.scheduling.batch import compat_key, merge, split
-from server.scheduling.direct import DirectScheduler
-from server.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher
-from server.scheduling.ragged import BatchLayout, ScatterOutput, batch_input_value
-from server.statistics import ModelStatistics
-from server.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
-from server.validation import validate_request
+from pier.backends.base import ModelInstance
+from pier.errors import PierError
+from pier.protocol import model_config_pb2 as mc
+from pier.repository import model_config
+from pier.scheduling.base import WorkItem
+from pier.scheduling.batch import compat_key, merge, split
+from pier.scheduling.direct import DirectScheduler
+from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher
+from pier.scheduling.ragged import BatchLayout, ScatterOutput, batch_input_value
+from pier.statistics import ModelStatistics
+from pier.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
+from pier.validation import validate_request
 
 SUM_INDEX = BatchInputSpec("BATCH_ACCUMULATED_ELEMENT_COUNT", ("INDEX",), "FP32", ("INPUT",))
 LAYOUT = BatchLayout(

@@ -9,10 +9,10 @@ import uuid
 import numpy as np
 import pytest
 
-from server.errors import ErrorCode, PierError
-from server.frontends.grpc import codec
-from server.protocol import grpc_service_pb2 as pb
-from server.shared_memory import Placement, SystemSharedMemory
+from pier.errors import ErrorCode, PierError
+from pier.frontends.grpc import codec
+from pier.protocol import grpc_service_pb2 as pb
+from pier.shared_memory import Placement, SystemSharedMemory
 
 
 @pytest.fixture

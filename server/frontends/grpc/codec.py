@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from server.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
-from server.errors import PierError, invalid_arg
-from server.protocol import grpc_service_pb2 as pb
-from server.shared_memory import (
+from pier.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
+from pier.errors import PierError, invalid_arg
+from pier.protocol import grpc_service_pb2 as pb
+from pier.shared_memory import (
     SystemSharedMemory,
     check_output,
     read_input,
@@ -19,8 +19,8 @@ from server.shared_memory import (
     without_placement,
     write_output,
 )
-from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from server.validation import check_parameters
+from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from pier.validation import check_parameters
 
 # datatype -> InferTensorContents field
 _CONTENTS = {

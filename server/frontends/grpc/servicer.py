@@ -16,18 +16,18 @@ from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from server import log_settings, restrictions, shared_memory
-from server.control_plane import ControlPlane
-from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError, printable, unsupported
-from server.frontends.grpc import codec
-from server.frontends.grpc.errors import grpc_code
-from server.protocol import grpc_service_pb2 as pb
-from server.protocol import grpc_service_pb2_grpc as pb_grpc
-from server.protocol import health_pb2, health_pb2_grpc
-from server.settings import GrpcSsl
-from server.types import InferenceRequest
-from server.validation import forward_headers
+from pier import log_settings, restrictions, shared_memory
+from pier.control_plane import ControlPlane
+from pier.data_plane import DataPlane
+from pier.errors import ErrorCode, PierError, printable, unsupported
+from pier.frontends.grpc import codec
+from pier.frontends.grpc.errors import grpc_code
+from pier.protocol import grpc_service_pb2 as pb
+from pier.protocol import grpc_service_pb2_grpc as pb_grpc
+from pier.protocol import health_pb2, health_pb2_grpc
+from pier.settings import GrpcSsl
+from pier.types import InferenceRequest
+from pier.validation import forward_headers
 
 log = logging.getLogger("pier.grpc")
 

@@ -11,14 +11,14 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from server import log_settings, restrictions, shared_memory
-from server.control_plane import ControlPlane
-from server.data_plane import DataPlane
-from server.errors import ErrorCode, PierError, invalid_arg
-from server.frontends.http import codec, generate, openai
-from server.frontends.http.errors import error_response, from_error
-from server.types import InferenceRequest, InferenceResponse
-from server.validation import forward_headers
+from pier import log_settings, restrictions, shared_memory
+from pier.control_plane import ControlPlane
+from pier.data_plane import DataPlane
+from pier.errors import ErrorCode, PierError, invalid_arg
+from pier.frontends.http import codec, generate, openai
+from pier.frontends.http.errors import error_response, from_error
+from pier.types import InferenceRequest, InferenceResponse
+from pier.validation import forward_headers
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

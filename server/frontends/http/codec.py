@@ -14,10 +14,10 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from server.datatypes import check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
-from server.errors import ErrorCode, PierError, internal, invalid_arg
-from server.frontends.json_data import array_from_json, array_to_json
-from server.shared_memory import (
+from pier.datatypes import check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
+from pier.errors import ErrorCode, PierError, internal, invalid_arg
+from pier.frontends.json_data import array_from_json, array_to_json
+from pier.shared_memory import (
     SystemSharedMemory,
     check_output,
     read_input,
@@ -25,8 +25,8 @@ from server.shared_memory import (
     without_placement,
     write_output,
 )
-from server.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from server.validation import check_parameters
+from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from pier.validation import check_parameters
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from server.datatypes import fill_variable_dim, numpy_dtype
-from server.errors import invalid_arg
-from server.types import InferenceRequest, InferenceResponse, Tensor
-from server.validation import check_parameters
+from pier.datatypes import fill_variable_dim, numpy_dtype
+from pier.errors import invalid_arg
+from pier.types import InferenceRequest, InferenceResponse, Tensor
+from pier.validation import check_parameters
 
 
 def check_duplicate_inputs(raw: bytes, metadata: dict[str, Any]) -> None:

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from backends.llm.async_engine import AsyncLLMEngine
-from backends.llm.config import EngineConfig
-from backends.llm.engine import LLMEngine
-from backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.async_engine import AsyncLLMEngine
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.sampling_params import SamplingParams
 
 
 @pytest.fixture()

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from backends.llm.config import EngineConfig
-from backends.llm.engine import LLMEngine
-from backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("mode,caching,seed", [

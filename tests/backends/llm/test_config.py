@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.llm.config import EngineConfig
-from backends.llm.engine import LLMEngine
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
 
 
 def test_parameters_parse():

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.llm.config import EngineConfig
-from backends.llm.engine import LLMEngine
-from backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.sampling_params import SamplingParams
 
 from .tiny_model import build_model, hf_greedy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.llm import kernels
+from pier.backends.llm import kernels
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,8 @@ def test_rejects_bad_inputs(op):
 
 
 def test_engine_uses_it_on_cpu_float32(op, llama_dir):
-    from backends.llm.config import EngineConfig
-    from backends.llm.engine import LLMEngine
+    from pier.backends.llm.config import EngineConfig
+    from pier.backends.llm.engine import LLMEngine
 
     eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=1 << 20))
     assert eng.runner.decode_op is op and eng.model.kernels is not None
@@ -88,7 +88,7 @@ def ops(op):
 @pytest.mark.parametrize("rows,hidden", [(1, 512), (7, 48), (300, 200), (2048, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rms_norm_and_silu_mul(ops, rows, hidden, threads):
-    from backends.llm.models.llama import rms_norm
+    from pier.backends.llm.models.llama import rms_norm
 
     gen = torch.Generator().manual_seed(rows + hidden)
     x = torch.randn(rows, hidden + 3, generator=gen)[:, :hidden] * 3  # strided rows, as a slice

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backends.llm.config import EngineConfig
-from backends.llm.engine import LLMEngine
-from backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.sampling_params import SamplingParams
 
 
 def test_from_json_accepts_vllm_names():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from backends.llm.config import EngineConfig
-from backends.llm.kv_cache import KVCacheManager
-from backends.llm.request import SeqStatus, Sequence
-from backends.llm.sampling_params import SamplingParams
-from backends.llm.scheduler import Scheduler
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.kv_cache import KVCacheManager
+from pier.backends.llm.request import SeqStatus, Sequence
+from pier.backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.scheduler import Scheduler
 
 
 def make(num_blocks: int = 64, block_size: int = 4, **cfg: object) -> Scheduler:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+from pier.backends.llm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "Héllo wörld ☃ 日本語 🙂 the lazy dog 🙂🙂 ünïcode"
 
@@ -88,7 +88,7 @@ def test_config_special_tokens_are_skipped(tmp_path):
 def test_chat_template_options(tok):
     """The OpenAI frontend's template options: no generation prompt, continuing the final message,
     extra template variables; contradictory or reserved ones are errors."""
-    from backends.llm.backend import _render_chat
+    from pier.backends.llm.backend import _render_chat
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
     assert _render_chat(tok, msgs[:1]) == "<s><|user|>hi</s><|assistant|>"  # a plain list: as before
@@ -104,7 +104,7 @@ def test_chat_template_options(tok):
 def test_chat_content_parts_null_content_and_developer_role(tok):
     """As vLLM renders them for a string-content template: text parts joined by newlines, null
     content empty, the developer role as system (the SDK and agent frameworks send all three)."""
-    from backends.llm.backend import _render_chat
+    from pier.backends.llm.backend import _render_chat
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
     assert _render_chat(tok, parts) == _render_chat(tok, [{"role": "user", "content": "hi\nthere"}])
@@ -133,7 +133,7 @@ def test_a_character_cut_at_the_end_is_dropped(tok):
 
 def test_chat_template_sees_the_tools(llama_dir):
     """Tools sent with tool_choice "none" reach a template that renders them (vLLM's default)."""
-    from backends.llm.backend import _render_chat
+    from pier.backends.llm.backend import _render_chat
 
     tok = Tokenizer(llama_dir)
     tok.chat_template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
@@ -150,7 +150,7 @@ def test_logprob_token_texts_read_in_place(tok):
     it read '', so the texts spell the text."""
     from types import SimpleNamespace
 
-    from backends.llm.backend import LLMInstance
+    from pier.backends.llm.backend import LLMInstance
 
     ids = tok.encode("a ☃ b 日本", add_special_tokens=False)
     split = next(i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i]))  # inside a character
