@@ -30,8 +30,8 @@ $(VENV)/.pkg-files: FORCE
 	@mkdir -p $(VENV); echo '$(PKG_FILES)' | cmp -s - $@ || echo '$(PKG_FILES)' > $@
 
 $(VENV)/.linked: $(VENV)/.pkg-files $(VENV)/.serve-deps
-	$(PY) -m pip install -q --no-deps -e . $(EDITABLE)
-	touch $@
+	@$(PY) -m pip install -q --no-deps -e . $(EDITABLE) > $(VENV)/link.log 2>&1 || { cat $(VENV)/link.log; exit 1; }
+	@touch $@
 
 serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
 	$(VENV)/bin/pier serve --model-repository model_repository

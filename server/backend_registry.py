@@ -7,8 +7,8 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pier.backends.base import Backend
-from pier.errors import invalid_arg, unavailable
+from pier.contract.backend import Backend
+from pier.contract.errors import invalid_arg, unavailable
 
 
 @dataclass(frozen=True)

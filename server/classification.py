@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pier.errors import invalid_arg
-from pier.types import Tensor
+from pier.contract.errors import invalid_arg
+from pier.contract.types import Tensor
 
 _INTEGERS = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")
 _FLOATS = ("FP32", "FP64")

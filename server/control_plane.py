@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from pier.errors import invalid_arg, unavailable
+from pier.contract.errors import invalid_arg, unavailable
 from pier.repository.manager import LoadOverride, RepositoryManager, check_file_parameter
 from pier.repository.source import is_version
 

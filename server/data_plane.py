@@ -10,7 +10,8 @@ from typing import Any
 
 from pier import __version__
 from pier.classification import class_count, classify
-from pier.errors import PierError, invalid_arg, unavailable, unsupported
+from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
+from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.manager import RepositoryManager
@@ -20,7 +21,6 @@ from pier.scheduling.base import WorkItem
 from pier.settings import SERVER_NAME
 from pier.shared_memory import SystemSharedMemory
 from pier.tracing import Trace, Tracer
-from pier.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from pier.validation import to_api_outputs, validate_request
 
 # What this build implements, in Triton's order and spelling.
@@ -160,7 +160,7 @@ class DataPlane:
         if request.outputs:
             by_name = {t.name: t for t in outputs}
             outputs = [_as_requested(by_name[o.name], o, model.spec) for o in request.outputs if o.name in by_name]
-        model_params = getattr(result, "parameters", None)  # backends.base.Outputs: the model's own
+        model_params = getattr(result, "parameters", None)  # pier.contract.backend.Outputs: the model's own
         if model_params:
             parameters = {**model_params, **(parameters or {})}
         return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pier.errors import invalid_arg
+from pier.contract.errors import invalid_arg
 
 _NUMPY: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),

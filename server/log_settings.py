@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pier.errors import ErrorCode, PierError, invalid_arg
+from pier.contract.errors import ErrorCode, PierError, invalid_arg
 
 FORMATS = ("default", "ISO8601")
 _LINE = "%(asctime)s %(levelname).1s %(name)s] %(message)s"

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pier.contract.types import InferenceRequest, Tensor
 from pier.datatypes import to_raw
-from pier.types import InferenceRequest, Tensor
 
 _Entry = tuple[list[Tensor], int]
 

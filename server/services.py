@@ -1,4 +1,4 @@
-"""The data plane as backends see it (backends.base.ServerServices): what a Python model's BLS
+"""The data plane as backends see it (pier.contract.backend.ServerServices): what a Python model's BLS
 calls and other model-calling backends use. Requests go through DataPlane.infer like a
 client's; blocking forms are for worker threads, async forms work from any event loop."""
 
@@ -10,10 +10,10 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from pier.contract.errors import PierError, internal
+from pier.contract.types import InferenceRequest, InferenceResponse
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
-from pier.errors import PierError, internal
-from pier.types import InferenceRequest, InferenceResponse
 
 _END = object()
 

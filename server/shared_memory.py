@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from pier.classification import class_count
+from pier.contract.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
+from pier.contract.types import Tensor
 from pier.datatypes import from_raw, to_raw
-from pier.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
-from pier.types import Tensor
 
 SHM_DIR = "/dev/shm"
 PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pier.errors import ErrorCode, PierError, invalid_arg
+from pier.contract.errors import ErrorCode, PierError, invalid_arg
 
 log = logging.getLogger("pier.trace")
 

@@ -7,8 +7,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pier.errors import PierError, invalid_arg
-from pier.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
+from pier.contract.errors import PierError, invalid_arg
+from pier.contract.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
 _BATCH_NOTE = (
     " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from pier.backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
-from pier.errors import PierError, internal, invalid_arg, unavailable
-from pier.types import InferenceRequest, ModelSignature, Tensor
+from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from pier.contract.errors import PierError, internal, invalid_arg, unavailable
+from pier.contract.types import InferenceRequest, ModelSignature, Tensor
 
 INPUTS = (
     ("text_input", "BYTES", (1,)),

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from pier.backends.base import MAX_THREADS
+from pier.contract.backend import MAX_THREADS
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from pier.backends.base import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
-from pier.errors import ErrorCode, PierError, internal, invalid_arg, unavailable
-from pier.types import InferenceRequest, ModelSignature, ModelSpec, Tensor, TensorSpec
+from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
+from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg, unavailable
+from pier.contract.types import InferenceRequest, ModelSignature, ModelSpec, Tensor, TensorSpec
 
 # ONNX tensor type strings -> KServe datatypes.
 _ORT_TYPES = {

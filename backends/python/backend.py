@@ -23,11 +23,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pier.backends.base import RESCHEDULE, Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, Outputs
 from pier.backends.python import triton_python_backend_utils as pb_utils
-from pier.backends.python.bls import error_of, to_pb_request, to_pier_tensor
-from pier.errors import internal, invalid_arg, unavailable
-from pier.types import InferenceRequest, ModelSignature
+from pier.backends.python.bls import BlsClient, error_of, to_pb_request, to_pier_tensor
+from pier.contract.backend import (
+    RESCHEDULE,
+    Backend,
+    ExecuteResult,
+    InstanceContext,
+    ModelContext,
+    ModelInstance,
+    Outputs,
+)
+from pier.contract.errors import internal, invalid_arg, unavailable
+from pier.contract.types import InferenceRequest, ModelSignature
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _import_lock = threading.Lock()
@@ -222,7 +230,7 @@ class PythonBackend(Backend):
 
     def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
         if model.services is not None:
-            pb_utils._services = model.services
+            pb_utils._bls = BlsClient(model.services)
         return PythonInstance(model, instance)
 
 

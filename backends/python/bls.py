@@ -3,14 +3,15 @@ and the requests a Python model executes)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from pier.backends.python import triton_python_backend_utils as pb_utils
-from pier.errors import ErrorCode, PierError
-from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from pier.contract.backend import ServerServices
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 _CODES = {
     pb_utils.TritonError.UNKNOWN: ErrorCode.UNKNOWN, pb_utils.TritonError.INTERNAL: ErrorCode.INTERNAL,
@@ -85,3 +86,37 @@ def to_pb_response(item: InferenceResponse | BaseException) -> pb_utils.Inferenc
 
 def error_of(err: pb_utils.TritonError) -> PierError:
     return PierError(_CODES.get(err.code(), ErrorCode.INTERNAL), err.message())
+
+
+class BlsClient:
+    """What `pb_utils.InferenceRequest.exec` / `async_exec` and the model-control helpers call:
+    the server's services, with pb_utils objects converted at this edge (pb_utils itself imports
+    nothing of Pier's)."""
+
+    def __init__(self, services: ServerServices) -> None:
+        self.services = services
+
+    def exec(self, pb_request: pb_utils.InferenceRequest,
+             decoupled: bool) -> pb_utils.InferenceResponse | Iterator[pb_utils.InferenceResponse]:
+        request = to_server_request(pb_request)
+        if decoupled:
+            return (to_pb_response(item) for item in self.services.infer_stream(request))
+        try:
+            return to_pb_response(self.services.infer(request))
+        except Exception as exc:  # errors come back in the response, as in Triton
+            return to_pb_response(exc)
+
+    def async_exec(self, pb_request: pb_utils.InferenceRequest, decoupled: bool) -> Awaitable[Any]:
+        request = to_server_request(pb_request)
+        services = self.services
+        if decoupled:  # awaited, it gives every response (the last one may be empty: the final flag)
+            async def collect() -> list[pb_utils.InferenceResponse]:
+                return [to_pb_response(item) async for item in services.infer_stream_async(request)]
+            return collect()
+
+        async def one() -> pb_utils.InferenceResponse:
+            try:
+                return to_pb_response(await services.infer_async(request))
+            except Exception as exc:
+                return to_pb_response(exc)
+        return one()

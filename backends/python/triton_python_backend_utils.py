@@ -39,7 +39,7 @@ class PreferredMemory:
         self.preferred_device_id = preferred_device_id
 
 _log = logging.getLogger("pier.python_model")
-_services: Any = None  # backends.base.ServerServices, set by the python backend
+_bls: Any = None  # pier.backends.python.bls.BlsClient (the server's services), set by the python backend
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -275,40 +275,17 @@ class InferenceRequest:
     # BLS
     def exec(self, decoupled: bool = False) -> InferenceResponse | Iterator[InferenceResponse]:
         """Run this request on another loaded model and wait (Triton's BLS)."""
-        services = _require_services()
-        from pier.backends.python.bls import to_pb_response, to_server_request
-
-        request = to_server_request(self)
-        if decoupled:
-            return (to_pb_response(item) for item in services.infer_stream(request))
-        try:
-            return to_pb_response(services.infer(request))
-        except Exception as exc:  # errors come back in the response, as in Triton
-            return to_pb_response(exc)
+        return _require_bls().exec(self, decoupled)
 
     def async_exec(self, decoupled: bool = False) -> Any:
         """Awaitable form of exec, for `async def execute`."""
-        services = _require_services()
-        from pier.backends.python.bls import to_pb_response, to_server_request
-
-        request = to_server_request(self)
-        if decoupled:  # awaited, it gives every response (the last one may be empty: the final flag)
-            async def collect() -> list[InferenceResponse]:
-                return [to_pb_response(item) async for item in services.infer_stream_async(request)]
-            return collect()
-
-        async def one() -> InferenceResponse:
-            try:
-                return to_pb_response(await services.infer_async(request))
-            except Exception as exc:
-                return to_pb_response(exc)
-        return one()
+        return _require_bls().async_exec(self, decoupled)
 
 
-def _require_services() -> Any:
-    if _services is None:
+def _require_bls() -> Any:
+    if _bls is None:
         raise TritonModelException("BLS requests can only be executed inside a running server")
-    return _services
+    return _bls
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -389,14 +366,14 @@ def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None
     if config:
         parameters["config"] = config
     try:
-        _require_services().load_model(model_name, parameters)
+        _require_bls().services.load_model(model_name, parameters)
     except Exception as exc:
         raise TritonModelException(f"Failed to load the model '{model_name}': {getattr(exc, 'message', exc)}") from None
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     try:
-        _require_services().unload_model(model_name, {"unload_dependents": unload_dependents})
+        _require_bls().services.unload_model(model_name, {"unload_dependents": unload_dependents})
     except Exception as exc:
         raise TritonModelException(f"Failed to unload the model '{model_name}': {getattr(exc, 'message', exc)}") \
             from None
@@ -406,7 +383,7 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     if model_version and not (model_version.isdigit() and int(model_version) > 0):
         raise TritonModelException(f"Failed to check the readiness of model '{model_name}': model_version "
                                    "should be an integral value > 0")
-    return bool(_require_services().model_ready(model_name, model_version))
+    return bool(_require_bls().services.model_ready(model_name, model_version))
 
 
 # ---- custom metrics -------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract.errors import invalid_arg
 from pier.datatypes import JSON_UNSUPPORTED, element_count, numpy_dtype, to_bytes_element
-from pier.errors import invalid_arg
 
 # numpy kinds a JSON array may hold for each target kind (b=bool, i/u=int, f=float): as Triton,
 # true/false are not numbers and numbers are not booleans.

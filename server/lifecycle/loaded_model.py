@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pier.backends.base import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
-from pier.errors import unavailable
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
+from pier.contract.errors import unavailable
+from pier.contract.types import ModelSpec
 from pier.repository.model_config import batching_policy
 from pier.scheduling.base import Scheduler
 from pier.scheduling.direct import DirectScheduler
@@ -16,7 +17,6 @@ from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.scheduling.ragged import BatchLayout
 from pier.scheduling.sequence_batcher import SequenceBatcher
 from pier.statistics import ModelStatistics
-from pier.types import ModelSpec
 
 _load_ids = itertools.count(1)
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from pier import datatypes
-from pier.backends.base import ModelInstance
-from pier.errors import PierError, invalid_arg
+from pier.contract.backend import ModelInstance
+from pier.contract.errors import PierError, invalid_arg
+from pier.contract.types import InferenceRequest, ModelSpec, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.batch import merge
 from pier.scheduling.ragged import BatchLayout
 from pier.statistics import ModelStatistics
-from pier.types import InferenceRequest, ModelSpec, Tensor
 from pier.validation import validate_request
 
 

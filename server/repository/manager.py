@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pier import backend_registry
-from pier.backends.base import ServerServices
-from pier.errors import PierError, invalid_arg, not_found, unavailable
+from pier.contract.backend import ServerServices
+from pier.contract.errors import PierError, invalid_arg, not_found, unavailable
+from pier.contract.types import ModelSignature, ModelSpec
 from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
@@ -32,7 +33,6 @@ from pier.repository import model_config, source
 from pier.repository.version_policy import select_versions
 from pier.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
 from pier.statistics import ModelStatistics
-from pier.types import ModelSignature, ModelSpec
 
 log = logging.getLogger("pier.repository")
 

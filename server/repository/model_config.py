@@ -21,13 +21,20 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from pier import backend_registry
 from pier.classification import read_labels
+from pier.contract.errors import PierError, invalid_arg
+from pier.contract.types import (
+    BatchInputSpec,
+    BatchOutputSpec,
+    InstanceGroupSpec,
+    ModelSignature,
+    ModelSpec,
+    TensorSpec,
+)
 from pier.datatypes import config_to_datatype, datatype_to_config, from_raw, numpy_dtype
-from pier.errors import PierError, invalid_arg
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.dynamic_batcher import BatchingPolicy, QueuePolicy
 from pier.scheduling.ragged import BatchLayout
 from pier.scheduling.sequence_batcher import Control, SequencePolicy, StateSpec
-from pier.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSignature, ModelSpec, TensorSpec
 
 ModelConfig = mc.ModelConfig
 Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]

@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pier.backends.base import ExecuteResult, ModelInstance
-from pier.errors import PierError, internal
-from pier.types import InferenceRequest
+from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.errors import PierError, internal
+from pier.contract.types import InferenceRequest
 
 
 @dataclass(slots=True)

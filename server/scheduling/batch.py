@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pier.backends.base import ExecuteResult
-from pier.errors import internal
+from pier.contract.backend import ExecuteResult
+from pier.contract.errors import internal
+from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.scheduling.ragged import BatchLayout, batch_input_tensors, scatter
-from pier.types import InferenceRequest, RequestedOutput, Tensor
 
 CompatKey = tuple[tuple[str, str, tuple[int, ...] | None], ...]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from pier.backends.base import ExecuteResult, ModelInstance
-from pier.errors import PierError, internal
+from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.errors import PierError, internal
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult

@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from pier.backends.base import ExecuteResult, ModelInstance
-from pier.errors import PierError, internal, unavailable
+from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.errors import PierError, internal, unavailable
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import CompatKey, compat_key, merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult

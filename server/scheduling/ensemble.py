@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pier.backends.base import ExecuteResult
-from pier.errors import PierError, internal, invalid_arg, unavailable
+from pier.contract.backend import ExecuteResult
+from pier.contract.errors import PierError, internal, invalid_arg, unavailable
+from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.statistics import ModelStatistics
-from pier.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
 Stream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse | PierError]]

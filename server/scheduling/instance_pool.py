@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pier.backends.base import ExecuteResult, ModelInstance
+from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.types import InferenceRequest
 from pier.scheduling.base import execute_timed
-from pier.types import InferenceRequest
 
 INLINE_BELOW_NS = 100_000  # executions this short (moving average) may run on the event loop
 _WARMUP = 32  # executions observed on the workers before inline execution is considered

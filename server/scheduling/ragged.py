@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pier.errors import PierError, internal, invalid_arg
-from pier.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
+from pier.contract.errors import PierError, internal, invalid_arg
+from pier.contract.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
 from pier.validation import request_prefix
 
 _NUMPY = {"INT32": np.int32, "FP32": np.float32}

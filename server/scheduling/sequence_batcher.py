@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from pier.backends.base import RESCHEDULE, ExecuteResult
+from pier.contract.backend import RESCHEDULE, ExecuteResult
+from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
+from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.datatypes import numpy_dtype
-from pier.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.scheduling.base import Scheduler, WorkItem
-from pier.types import InferenceRequest, RequestedOutput, Tensor
 
 CorrelationId = int | str
 

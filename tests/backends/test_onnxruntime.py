@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pier.backends.base import InstanceContext, ModelContext
 from pier.backends.onnxruntime.backend import BACKEND
-from pier.errors import PierError
-from pier.types import InstanceGroupSpec, ModelSpec, TensorSpec
+from pier.contract.backend import InstanceContext, ModelContext
+from pier.contract.errors import PierError
+from pier.contract.types import InstanceGroupSpec, ModelSpec, TensorSpec
 from tests.conftest import EXAMPLE_REPO
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pier.backends.base import InstanceContext, ModelContext
 from pier.backends.pytorch.backend import BACKEND
-from pier.errors import ErrorCode, PierError
-from pier.types import InferenceRequest, InstanceGroupSpec, ModelSpec, RequestedOutput, Tensor, TensorSpec
+from pier.contract.backend import InstanceContext, ModelContext
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.types import InferenceRequest, InstanceGroupSpec, ModelSpec, RequestedOutput, Tensor, TensorSpec
 from tests.conftest import EXAMPLE_REPO, ROOT
 
 torch = pytest.importorskip("torch", reason="the TorchScript backend tests need torch (pip install pier[torch])")
@@ -276,10 +276,10 @@ def test_without_torch_the_load_error_says_to_install_it(tmp_path):
     script = (
         "import sys; sys.modules['torch'] = None\n"  # makes `import torch` raise ImportError
         "from pathlib import Path\n"
-        "from pier.backends.base import InstanceContext, ModelContext\n"
+        "from pier.contract.backend import InstanceContext, ModelContext\n"
         "from pier.backends.pytorch.backend import BACKEND\n"
-        "from pier.errors import PierError\n"
-        "from pier.types import ModelSpec, TensorSpec\n"
+        "from pier.contract.errors import PierError\n"
+        "from pier.contract.types import ModelSpec, TensorSpec\n"
         "spec = ModelSpec('m', 'pytorch_libtorch', 'pytorch', 0, (TensorSpec('INPUT__0', 'FP32', (-1,)),),\n"
         "                 (TensorSpec('OUTPUT__0', 'FP32', (-1,)),), (), 'model.pt', {})\n"
         f"ctx = ModelContext(spec, 1, Path({str(model.model_dir)!r}), Path({str(model.version_dir)!r}))\n"

@@ -16,10 +16,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from pier.backends.base import InstanceContext, ModelContext
 from pier.backends.tensorrt.backend import BACKEND, unavailable_reason
-from pier.errors import ErrorCode, PierError
-from pier.types import ModelSpec, TensorSpec
+from pier.contract.backend import InstanceContext, ModelContext
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.types import ModelSpec, TensorSpec
 from tests.conftest import EXAMPLE_REPO, start_pier
 
 REASON = unavailable_reason()

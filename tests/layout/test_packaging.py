@@ -29,12 +29,12 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 def test_only_pier_is_importable_outside_the_checkout(tmp_path: Path) -> None:
     code = (
-        "import importlib.util as u, pier, pier.backends.base\n"
-        "print(u.find_spec('server'), u.find_spec('backends'), pier.__name__, pier.backends.base.__name__)"
+        "import importlib.util as u, pier, pier.contract.backend\n"
+        "print(u.find_spec('server'), u.find_spec('backends'), pier.__name__, pier.contract.backend.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["None", "None", "pier", "pier.backends.base"]
+    assert out.stdout.split() == ["None", "None", "pier", "pier.contract.backend"]
 
 
 def test_python_dash_m_pier_runs_the_cli(tmp_path: Path) -> None:

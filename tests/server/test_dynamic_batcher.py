@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from pier.backends.base import ModelInstance
-from pier.errors import PierError
+from pier.contract.backend import ModelInstance
+from pier.contract.errors import PierError
+from pier.contract.types import InferenceRequest, Tensor
 from pier.scheduling.base import WorkItem
 from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher, QueuePolicy
 from pier.statistics import ModelStatistics
-from pier.types import InferenceRequest, Tensor
 
 
 class Recorder(ModelInstance):

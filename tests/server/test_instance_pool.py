@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from pier.backends.base import ModelInstance
+from pier.contract.backend import ModelInstance
 from pier.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pier.errors import ErrorCode, PierError
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
 from pier.repository.version_policy import select_versions
-from pier.types import InferenceRequest, RequestedOutput, Tensor
 from pier.validation import check_parameters, validate_request
 
 GOOD = """

@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from pier.backends.base import ModelInstance
-from pier.errors import PierError
+from pier.contract.backend import ModelInstance
+from pier.contract.errors import PierError
+from pier.contract.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
 from pier.scheduling.base import WorkItem
@@ -21,7 +22,6 @@ from pier.scheduling.direct import DirectScheduler
 from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher
 from pier.scheduling.ragged import BatchLayout, ScatterOutput, batch_input_value
 from pier.statistics import ModelStatistics
-from pier.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
 from pier.validation import validate_request
 
 SUM_INDEX = BatchInputSpec("BATCH_ACCUMULATED_ELEMENT_COUNT", ("INDEX",), "FP32", ("INPUT",))

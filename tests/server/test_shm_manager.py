@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from pier.errors import ErrorCode, PierError
+from pier.contract.errors import ErrorCode, PierError
 from pier.frontends.grpc import codec
 from pier.protocol import grpc_service_pb2 as pb
 from pier.shared_memory import Placement, SystemSharedMemory

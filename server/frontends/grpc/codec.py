@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract.errors import PierError, invalid_arg
+from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
-from pier.errors import PierError, invalid_arg
 from pier.protocol import grpc_service_pb2 as pb
 from pier.shared_memory import (
     SystemSharedMemory,
@@ -19,7 +20,6 @@ from pier.shared_memory import (
     without_placement,
     write_output,
 )
-from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.validation import check_parameters
 
 # datatype -> InferTensorContents field

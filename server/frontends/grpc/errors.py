@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from pier.errors import ErrorCode
+from pier.contract.errors import ErrorCode
 
 _CODES = {
     ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,

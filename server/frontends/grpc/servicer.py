@@ -17,16 +17,17 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from pier import log_settings, restrictions, shared_memory
+from pier.contract.errors import ErrorCode, PierError, printable, unsupported
+from pier.contract.types import InferenceRequest
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
-from pier.errors import ErrorCode, PierError, printable, unsupported
 from pier.frontends.grpc import codec
 from pier.frontends.grpc.errors import grpc_code
+from pier.frontends.grpc.restrict import GrpcRestrictions
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.protocol import health_pb2, health_pb2_grpc
 from pier.settings import GrpcSsl
-from pier.types import InferenceRequest
 from pier.validation import forward_headers
 
 log = logging.getLogger("pier.grpc")
@@ -382,7 +383,7 @@ async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: st
     """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), `ssl`
     serves TLS (mutual: client certificates must chain to its root certificate), `restricted`
     names protocol categories that need a header (--grpc-restricted-protocol)."""
-    interceptors = [restrictions.GrpcRestrictions(restricted)] if restricted else None
+    interceptors = [GrpcRestrictions(restricted)] if restricted else None
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -12,12 +12,12 @@ import orjson
 from aiohttp import web
 
 from pier import log_settings, restrictions, shared_memory
+from pier.contract.errors import ErrorCode, PierError, invalid_arg
+from pier.contract.types import InferenceRequest, InferenceResponse
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
-from pier.errors import ErrorCode, PierError, invalid_arg
 from pier.frontends.http import codec, generate, openai
-from pier.frontends.http.errors import error_response, from_error
-from pier.types import InferenceRequest, InferenceResponse
+from pier.frontends.http.middleware import error_middleware, restrict_middleware
 from pier.validation import forward_headers
 
 log = logging.getLogger("pier.http")
@@ -279,38 +279,6 @@ class HttpHandlers:
         return reply
 
 
-_ENCODINGS = frozenset({"gzip", "deflate", "identity"})
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    encoding = request.headers.get("Content-Encoding")
-    if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
-        return error_response(501, f"Unsupported compression type '{encoding}': use gzip or deflate")
-    if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0, as Triton's request lines
-        log.debug("HTTP request: %s %s", request.method, request.path)
-    try:
-        return await handler(request)
-    except PierError as exc:
-        return from_error(exc)
-    except web.RequestPayloadError as exc:
-        return error_response(400, f"failed to read the request body ({encoding or 'identity'} encoding): {exc}")
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body is too large ({exc.text})")
-    except web.HTTPNotFound:
-        return error_response(404, "Not Found")
-    except web.HTTPMethodNotAllowed:
-        return error_response(405, "Method Not Allowed")
-    except web.HTTPException as exc:
-        return error_response(exc.status, exc.reason)
-    except ConnectionResetError:  # the client left mid-answer (a stream): nothing to send, no bug to log
-        log.debug("client went away during %s %s", request.method, request.path)
-        return web.Response(status=499)  # never sent: aiohttp drops it on the closed transport
-    except Exception as exc:  # never let a bug turn into a dropped connection
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
 # Whole-body cap: binary tensor data is not bounded by --http-max-input-size (as in Triton), but
 # the server still refuses a body no tensor could need rather than buffer it.
 MAX_BODY_BYTES = (1 << 31) - 1
@@ -323,7 +291,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api);
     `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
     scrape jobs written for vLLM work)."""
-    middlewares = [error_middleware] + ([restrictions.http_middleware(restricted)] if restricted else [])
+    middlewares = [error_middleware] + ([restrict_middleware(restricted)] if restricted else [])
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     h = HttpHandlers(plane, control, max_input_size, re.compile(header_pattern) if header_pattern else None)
     model = "/v2/models/{model}"

@@ -14,8 +14,9 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
+from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.datatypes import check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
-from pier.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.frontends.json_data import array_from_json, array_to_json
 from pier.shared_memory import (
     SystemSharedMemory,
@@ -25,7 +26,6 @@ from pier.shared_memory import (
     without_placement,
     write_output,
 )
-from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.validation import check_parameters
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

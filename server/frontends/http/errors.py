@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from pier.errors import ErrorCode, PierError, printable
+from pier.contract.errors import ErrorCode, PierError, printable
 
 _STATUS = {
     ErrorCode.INTERNAL: 500,

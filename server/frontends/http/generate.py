@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract.errors import invalid_arg
+from pier.contract.types import InferenceRequest, InferenceResponse, Tensor
 from pier.datatypes import fill_variable_dim, numpy_dtype
-from pier.errors import invalid_arg
-from pier.types import InferenceRequest, InferenceResponse, Tensor
 from pier.validation import check_parameters
 
 

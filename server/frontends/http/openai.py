@@ -19,11 +19,11 @@ import orjson
 from aiohttp import web
 
 from pier import __version__
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.data_plane import DataPlane
-from pier.errors import ErrorCode, PierError
 from pier.frontends.http import codec
 from pier.frontends.json_data import json_type
-from pier.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 # Body fields passed to the engine's sampling parameters (OpenAI's and vLLM's names).
 _SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",

@@ -1,5 +1,5 @@
-"""THE backend contract (version 1). Every backend implements it and imports only this module,
-`server.types` and `server.errors`.
+"""The backend interfaces (contract version 1). Every backend implements them and imports only
+`pier.contract` (this module, `types` and `errors`) and its own folder.
 
 Lifecycle, as Triton's TRITONBACKEND_* API: the server builds one `ModelContext` per model
 version, asks the backend for one `ModelInstance` per configured instance, calls
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from pier.errors import PierError, invalid_arg
-from pier.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
+from pier.contract.errors import PierError, invalid_arg
+from pier.contract.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
 
 BACKEND_API_VERSION = 1
 MAX_THREADS = 1024  # a thread-count parameter past this is a typo, not a machine: refused at load

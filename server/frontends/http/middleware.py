@@ -1,0 +1,85 @@
+"""The HTTP app's middlewares: every error becomes the one JSON error shape with Triton's status,
+and `--http-restricted-api` (pier/restrictions.py parses the rules) is enforced per API category."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from pier.contract.errors import PierError
+from pier.frontends.http.errors import error_response, from_error
+from pier.restrictions import Rules
+
+log = logging.getLogger("pier.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_ENCODINGS = frozenset({"gzip", "deflate", "identity"})
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
+        return error_response(501, f"Unsupported compression type '{encoding}': use gzip or deflate")
+    if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0, as Triton's request lines
+        log.debug("HTTP request: %s %s", request.method, request.path)
+    try:
+        return await handler(request)
+    except PierError as exc:
+        return from_error(exc)
+    except web.RequestPayloadError as exc:
+        return error_response(400, f"failed to read the request body ({encoding or 'identity'} encoding): {exc}")
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, f"request body is too large ({exc.text})")
+    except web.HTTPNotFound:
+        return error_response(404, "Not Found")
+    except web.HTTPMethodNotAllowed:
+        return error_response(405, "Method Not Allowed")
+    except web.HTTPException as exc:
+        return error_response(exc.status, exc.reason)
+    except ConnectionResetError:  # the client left mid-answer (a stream): nothing to send, no bug to log
+        log.debug("client went away during %s %s", request.method, request.path)
+        return web.Response(status=499)  # never sent: aiohttp drops it on the closed transport
+    except Exception as exc:  # never let a bug turn into a dropped connection
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+
+def http_category(path: str) -> str | None:
+    """The API category of an HTTP path (Triton's grouping; Pier's OpenAI routes count as inference)."""
+    if path.startswith("/v1/"):
+        return "inference"
+    if path.startswith("/v2/health/"):
+        return "health"
+    if path.startswith("/v2/repository/"):
+        return "model-repository"
+    if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+        return "shared-memory"
+    if path.startswith("/v2/logging"):
+        return "logging"
+    tail = path.rstrip("/").rsplit("/", 1)[-1]
+    if path.endswith("/trace/setting"):
+        return "trace"
+    return {"stats": "statistics", "config": "model-config", "ready": "health", "infer": "inference",
+            "generate": "inference", "generate_stream": "inference"}.get(tail, "metadata" if path.startswith("/v2")
+                                                                               else None)
+
+
+def restrict_middleware(rules: Rules) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """`--http-restricted-api`: a restricted category answers 403 unless the request carries the header."""
+
+    @web.middleware
+    async def restrict(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+        rule = rules.get(http_category(request.path) or "")
+        # Only real routes are restricted: an unknown path stays a 404, as in Triton.
+        if rule is not None and request.match_info.http_exception is None and request.headers.get(rule[0]) != rule[1]:
+            return error_response(403, f"This API is restricted, expecting header '{rule[0]}'")
+        return await handler(request)
+
+    return restrict
+
+
