@@ -15,10 +15,12 @@ from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.grpc.servicer import start_grpc_server
 from pier.frontends.http.app import build_app
+from pier.lifecycle.lifecycle import ModelLifecycle
 from pier.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from pier.repository.manager import RepositoryManager
 from pier.repository.watcher import RepositoryWatcher
 from pier.response_cache import ResponseCache
+from pier.routing import RoutingTable
 from pier.services import PlaneServices
 from pier.settings import Settings
 from pier.tracing import Tracer, parse_trace_config
@@ -41,14 +43,16 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 class PierServer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.manager = RepositoryManager(
-            list(settings.model_repositories), settings.auto_complete_config, settings.model_load_thread_count,
-            keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies,
-            config_name=settings.model_config_name,
-        )
-        self.plane = DataPlane(self.manager, settings.strict_readiness,
+        # Built inside the server's event loop (models call back into it from worker threads).
+        routes = RoutingTable()  # published by the life cycle, read by the data plane
+        self.plane = DataPlane(routes, settings.strict_readiness,
                                Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id,
                                ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None)
+        services = PlaneServices(self.plane, asyncio.get_running_loop(), lambda: self.control)
+        self.lifecycle = ModelLifecycle(routes, services, settings.model_load_thread_count,
+                                        keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies)
+        self.manager = RepositoryManager(self.lifecycle, list(settings.model_repositories),
+                                         settings.auto_complete_config, config_name=settings.model_config_name)
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
@@ -58,8 +62,8 @@ class PierServer:
         s = self.settings
         metrics = None
         if s.allow_metrics:
-            renderer = MetricsRenderer(self.manager.metered_models, MetricsConfig.parse(s.metrics_config),
-                                       self.manager.traffic, s.allow_cpu_metrics, self.plane.cache)
+            renderer = MetricsRenderer(self.lifecycle.metered_models, MetricsConfig.parse(s.metrics_config),
+                                       self.lifecycle.traffic, s.allow_cpu_metrics, self.plane.cache)
 
             async def metrics(request: web.Request) -> web.Response:
                 return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -101,7 +105,7 @@ class PierServer:
             errors = await self.manager.load_all(list(s.load_models))
         else:
             errors = await self.manager.load_all()
-        log.info("\n%s", _table(self.manager.status_table()))
+        log.info("\n%s", _table(self.lifecycle.status_table()))
         return errors
 
     def start_watching(self) -> None:
@@ -140,7 +144,6 @@ async def serve(settings: Settings) -> int:
         log.error("failed to start: %s", exc)
         await server.shutdown()
         return 1
-    server.manager.services = PlaneServices(server.plane, loop, server.control)
     errors = await server.load_models()
     if errors and settings.exit_on_error:
         for e in errors:

@@ -1,7 +1,8 @@
 """Repository operations behind the HTTP and gRPC repository APIs and `pier model`: index,
 load/unload (Triton's extension), per-version load/unload, rollout and rollback (Pier's).
 Checks what the control mode allows, decodes load parameters, and leaves the work to the
-RepositoryManager. Takes and returns plain Python values only."""
+RepositoryManager (what should serve) and the model life cycle (rollout weights). Takes and
+returns plain Python values only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pier.contract.errors import invalid_arg, unavailable
-from pier.repository.manager import LoadOverride, RepositoryManager, check_file_parameter
+from pier.repository.disk import LoadOverride, check_file_parameter
+from pier.repository.manager import RepositoryManager
 from pier.repository.source import is_version
 
 FILE_PREFIX = "file:"
@@ -39,8 +41,8 @@ class ControlPlane:
         raise unavailable(f"explicit model load / unload is not allowed if polling is enabled (model control mode "
                           f"is '{self._mode}'; start the server with --model-control-mode=explicit)")
 
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        return self._manager.index(ready_only)
+    async def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        return await self._manager.index(ready_only)
 
     async def load(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Triton's load: `config` (ModelConfig JSON, replaces config.pbtxt) and
@@ -107,15 +109,15 @@ class ControlPlane:
                 chosen[_version(v)] = float(w)
         else:
             raise invalid_arg("a rollout needs 'version' or 'weights'")
-        return self._traffic_doc(name, self._manager.set_weights(name, chosen))
+        return self._traffic_doc(name, self._manager.lifecycle.set_weights(name, chosen))
 
     def rollback(self, name: str, version: str | None = None) -> dict[str, Any]:
         _check_name(name)
-        traffic = self._manager.rollback(name, _version(version) if version is not None else None)
+        traffic = self._manager.lifecycle.rollback(name, _version(version) if version is not None else None)
         return self._traffic_doc(name, traffic)
 
     def traffic(self, name: str) -> dict[str, Any]:
-        return self._traffic_doc(_check_name(name), self._manager.traffic(name))
+        return self._traffic_doc(_check_name(name), self._manager.lifecycle.traffic(name))
 
     @staticmethod
     def _traffic_doc(name: str, traffic: dict[int, float]) -> dict[str, Any]:

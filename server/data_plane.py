@@ -14,9 +14,9 @@ from pier.contract.errors import PierError, invalid_arg, unavailable, unsupporte
 from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import model_config_pb2 as mc
-from pier.repository.manager import RepositoryManager
 from pier.repository.source import is_version
 from pier.response_cache import ResponseCache
+from pier.routing import RoutingTable
 from pier.scheduling.base import WorkItem
 from pier.settings import SERVER_NAME
 from pier.shared_memory import SystemSharedMemory
@@ -37,11 +37,11 @@ def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Ten
 
 
 class DataPlane:
-    def __init__(self, manager: RepositoryManager, strict_readiness: bool, tracer: Tracer | None = None,
+    def __init__(self, routes: RoutingTable, strict_readiness: bool, tracer: Tracer | None = None,
                  server_id: str = SERVER_NAME, cache: ResponseCache | None = None) -> None:
         self.server_id = server_id
         self.cache = cache  # --cache-config: models with response_cache enabled use it
-        self._manager = manager
+        self._routes = routes  # published by the model life cycle
         self._strict = strict_readiness
         self._started = False
         self._exiting = False
@@ -76,25 +76,33 @@ class DataPlane:
             raise unavailable("Server exiting")
         if not self._started:
             return False
-        return self._manager.all_ready() if self._strict else True
+        return self._routes.all_ready() if self._strict else True
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self.server_id, "version": __version__, "extensions": list(EXTENSIONS)}
 
     # ---- models --------------------------------------------------------------------------
 
-    def _model(self, name: str, version: str) -> LoadedModel:
-        return self._manager.resolve(name, version)  # an empty name is an unknown model, as in Triton
+    def resolve(self, name: str, version: str = "") -> LoadedModel:
+        """The one routing decision of a request (unversioned requests draw the rollout weights
+        here). A frontend that must read the model's signature to decode a request (raw binary,
+        generate) or its transaction policy (a gRPC stream) resolves first, then hands the
+        result to infer / infer_stream / responses, so that one version decodes, validates and
+        runs it."""
+        return self._routes.resolve(name, version)  # an empty name is an unknown model, as in Triton
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """True when a version can serve; unknown models/versions raise as Triton's lookup does."""
-        self._model(name, version)
+        self.resolve(name, version)
         return True
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
-        model = self._model(name, version)
+        return self.describe(self.resolve(name, version), all_versions=not version)
+
+    def describe(self, model: LoadedModel, all_versions: bool = False) -> dict[str, Any]:
+        """Metadata of a resolved model version (`all_versions`: list every READY version)."""
         spec = model.spec
-        versions = [model.version_str] if version else [str(v) for v in self._manager.ready_versions(name)]
+        versions = [str(v) for v in self._routes.ready_versions(spec.name)] if all_versions else [model.version_str]
         return {
             "name": spec.name,
             "versions": versions,
@@ -107,23 +115,23 @@ class DataPlane:
         """Models with a READY version served by `backend` (e.g. the OpenAI API's "llm"), each with
         its newest version's first instance's `info()`."""
         out: dict[str, dict[str, Any]] = {}
-        for m in sorted(self._manager.loaded_models(), key=lambda m: m.version):
+        for m in sorted(self._routes.loaded_models(), key=lambda m: m.version):
             if m.spec.backend == backend:
                 out[m.spec.name] = m.instances[0].info() if m.instances else {}
         return dict(sorted(out.items()))
 
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
-        return dict(self._model(name, version).spec.config_json)
+        return dict(self.resolve(name, version).spec.config_json)
 
     def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
-        return self._model(name, version).config
+        return self.resolve(name, version).config
 
     def statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
         """Triton's statistics lookup: all loaded versions, one model's, or one version's."""
         if not name:
-            models = self._manager.loaded_models()
+            models = self._routes.loaded_models()
         else:
-            models = [m for m in self._manager.loaded_models() if m.spec.name == name]
+            models = [m for m in self._routes.loaded_models() if m.spec.name == name]
             if not models:
                 raise invalid_arg(f"requested model '{name}' is not available")
             if version:
@@ -135,14 +143,11 @@ class DataPlane:
 
     # ---- inference -----------------------------------------------------------------------
 
-    def is_decoupled(self, name: str, version: str = "") -> bool:
-        return self._model(name, version).spec.decoupled
-
-    def _resolve(self, request: InferenceRequest) -> LoadedModel:
-        """The version this request goes to (one lookup per request: weighted routing picks here)."""
+    def _target(self, request: InferenceRequest, model: LoadedModel | None) -> LoadedModel:
+        """The version this request runs on: the one its frontend resolved, else resolved now."""
         if self._exiting:
             raise unavailable("Server exiting: no new inference requests are accepted")
-        return self._model(request.model_name, request.model_version)
+        return model if model is not None else self.resolve(request.model_name, request.model_version)
 
     def _begin(self) -> None:
         self._inflight += 1
@@ -166,9 +171,10 @@ class DataPlane:
         return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,
                                  parameters=parameters or {})
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        """One request, one response (models that are not decoupled)."""
-        model = self._resolve(request)
+    async def infer(self, request: InferenceRequest, model: LoadedModel | None = None) -> InferenceResponse:
+        """One request, one response (models that are not decoupled). `model`: the version the
+        frontend resolved for it (see resolve), else it is resolved here."""
+        model = self._target(request, model)
         if model.spec.decoupled:
             raise unsupported(f"this end point doesn't support models with decoupled transaction policy: "
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
@@ -243,12 +249,13 @@ class DataPlane:
         model.stats.record_cache_miss(lookup_ns + cache.insert(key, response.outputs))
         return response
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse | PierError, None]:
+    async def infer_stream(self, request: InferenceRequest,
+                           model: LoadedModel | None = None) -> AsyncGenerator[InferenceResponse | PierError, None]:
         """Every response of one request: one for ordinary models; for decoupled models each
         response the model sends (errors in-band as PierError), the last one carrying
         parameters["triton_final_response"] = True (with no outputs when the model sent its
-        final flag alone). Closing the iterator early cancels the request."""
-        model = self._resolve(request)
+        final flag alone). Closing the iterator early cancels the request. `model` as in infer."""
+        model = self._target(request, model)
         if not model.spec.decoupled:
             yield await self._infer(model, request)
             return
@@ -300,11 +307,12 @@ class DataPlane:
             if trace is not None:
                 self._end_trace(trace, owned, [])
 
-    async def responses(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
+    async def responses(self, request: InferenceRequest,
+                        model: LoadedModel | None = None) -> AsyncGenerator[InferenceResponse, None]:
         """`infer_stream` for callers that stop at the first error: the responses that carry
         outputs (a decoupled model's flag-only final left out); an in-band error is raised.
         Closing the iterator early cancels the request."""
-        stream = self.infer_stream(request)
+        stream = self.infer_stream(request, model)
         try:
             async for item in stream:
                 if isinstance(item, PierError):

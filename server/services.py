@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from pier.contract.errors import PierError, internal
@@ -19,7 +19,11 @@ _END = object()
 
 
 class PlaneServices:
-    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop, control: ControlPlane | None = None) -> None:
+    """`control`: the server's control plane, looked up when a model calls it (the control plane
+    is built on the repository, whose life cycle is built with these services)."""
+
+    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop,
+                 control: Callable[[], ControlPlane] | None = None) -> None:
         self._plane = plane
         self._control = control
         self._loop = loop
@@ -81,12 +85,12 @@ class PlaneServices:
     def load_model(self, name: str, parameters: dict[str, Any]) -> None:
         if self._control is None:
             raise internal("model control is not available to models here")
-        self._on_loop(self._control.load(name, parameters))
+        self._on_loop(self._control().load(name, parameters))
 
     def unload_model(self, name: str, parameters: dict[str, Any]) -> None:
         if self._control is None:
             raise internal("model control is not available to models here")
-        self._on_loop(self._control.unload(name, parameters))
+        self._on_loop(self._control().unload(name, parameters))
 
     def model_ready(self, name: str, version: str) -> bool:
         async def ready() -> bool:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 
-from pier.repository.manager import gpu_count
+from pier.lifecycle.lifecycle import gpu_count
 from tests.conftest import EXAMPLE_REPO, numpy_inputs, start_pier
 
 pytestmark = pytest.mark.skipif(

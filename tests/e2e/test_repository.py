@@ -11,7 +11,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from pier.repository.manager import gpu_count
+from pier.lifecycle.lifecycle import gpu_count
 from scripts.build_example_models import identity_model, write_model
 from tests.conftest import EXAMPLE_REPO, start_pier
 

@@ -24,6 +24,7 @@ from pier.data_plane import DataPlane
 from pier.frontends.grpc import codec
 from pier.frontends.grpc.errors import grpc_code
 from pier.frontends.grpc.restrict import GrpcRestrictions
+from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.protocol import health_pb2, health_pb2_grpc
@@ -164,7 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_translate
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         _check_repository(request.repository_name)
-        rows = self.control.index(request.ready)
+        rows = await self.control.index(request.ready)
         return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
 
     @_translate
@@ -191,14 +192,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self._infer_one(request, 0, infer_request)
         return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
 
-    async def _infer_one(self, request: pb.ModelInferRequest, received: int,
-                         infer_request: InferenceRequest) -> pb.ModelInferResponse:
+    async def _infer_one(self, request: pb.ModelInferRequest, received: int, infer_request: InferenceRequest,
+                         model: LoadedModel | None = None) -> pb.ModelInferResponse:
         """ModelInfer with what the plain path skips: Triton's gRPC trace timestamps (the request
         was read before the handler ran) and holding the shared-memory regions it names."""
         shm = self.plane.shared_memory
         trace = self.plane.tracer.begin(infer_request, "GRPC", received) if received else None
         with shm.holding(infer_request.shm_regions):
-            response = await self.plane.infer(infer_request)
+            response = await self.plane.infer(infer_request, model)
             if trace is not None:
                 trace.stamp("GRPC_SEND_START")
             out = codec.encode_response(response, infer_request, shm)
@@ -228,14 +229,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 try:
                     received = time.perf_counter_ns() if self.plane.tracer.on else 0
                     request = self._decode(req, context)
-                    decoupled = self.plane.is_decoupled(request.model_name, request.model_version)
+                    model = self.plane.resolve(request.model_name, request.model_version)  # once per request
+                    decoupled = model.spec.decoupled
                 except PierError as exc:
                     await after
                     out.put_nowait(error(req, exc))
                     return
                 if not decoupled:
                     try:
-                        resp = await self._infer_one(req, received, request)
+                        resp = await self._infer_one(req, received, request, model)
                         resp.parameters["triton_final_response"].bool_param = True
                         message = pb.ModelStreamInferResponse(infer_response=resp)
                     except PierError as exc:
@@ -251,7 +253,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 after.add_done_callback(chain)
                 empty_final = request.parameters.get("triton_enable_empty_final_response") is True
                 with self.plane.shared_memory.holding(request.shm_regions):
-                    async for item in self.plane.infer_stream(request):
+                    async for item in self.plane.infer_stream(request, model):
                         if isinstance(item, PierError):
                             out.put_nowait(error(req, item))
                             continue

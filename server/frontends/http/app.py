@@ -18,6 +18,7 @@ from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.http import codec, generate, openai
 from pier.frontends.http.middleware import error_middleware, restrict_middleware
+from pier.lifecycle.loaded_model import LoadedModel
 from pier.validation import forward_headers
 
 log = logging.getLogger("pier.http")
@@ -98,7 +99,7 @@ class HttpHandlers:
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):  # Triton answers 500; it is the client's mistake
             raise invalid_arg(f"repository index: 'ready' must be a boolean, got {orjson.dumps(ready).decode()}")
-        return _json(self.control.index(ready))
+        return _json(await self.control.index(ready))
 
     async def repository_load(self, request: web.Request) -> web.Response:
         params = await self._parameters(request, "load")
@@ -133,23 +134,24 @@ class HttpHandlers:
     async def traffic(self, request: web.Request) -> web.Response:
         return _json(self.control.traffic(request.match_info["model"]))
 
-    async def _generate_request(self, request: web.Request) -> InferenceRequest:
-        model, version = request.match_info["model"], _version(request)
+    async def _generate_request(self, request: web.Request) -> tuple[InferenceRequest, LoadedModel]:
+        """The request and the one version that decodes and runs it."""
+        name, version = request.match_info["model"], _version(request)
         raw = await codec.read_body(request, self.max_json_size, json_only=True)
         doc = codec.parse_json(raw) if raw.strip() else {}
-        metadata = self.plane.model_metadata(model, version)
+        model = self.plane.resolve(name, version)
+        metadata = self.plane.describe(model, all_versions=not version)
         if isinstance(doc, dict):
             generate.check_duplicate_inputs(raw, metadata)
-        batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
-        generated = generate.decode(model, version, doc, metadata, batching)
+        generated = generate.decode(name, version, doc, metadata, model.spec.max_batch_size > 0)
         forward_headers(self.header_pattern, request.headers.items(), generated.parameters)
-        return generated
+        return generated, model
 
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer. As in Triton, the model must produce exactly one response (a decoupled
         model's flag-only final does not count); a second one cancels the request."""
         answer = None
-        stream = self.plane.responses(await self._generate_request(request))
+        stream = self.plane.responses(*await self._generate_request(request))
         try:
             async for item in stream:
                 if answer is not None:
@@ -166,7 +168,7 @@ class HttpHandlers:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events, one `data: {json}` per response; a refused request is an ordinary
         JSON error, a model's error `data: {"error": ...}` (as the first response: status 400)."""
-        stream = self.plane.infer_stream(await self._generate_request(request))
+        stream = self.plane.infer_stream(*await self._generate_request(request))
         try:
             first = await anext(stream)
         except StopAsyncIteration:
@@ -250,16 +252,17 @@ class HttpHandlers:
         model, version = request.match_info["model"], _version(request)
         json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
         codec.check_json_size(len(body) if json_length is None else json_length, self.max_json_size)
-        if json_length == 0:
-            metadata = self.plane.model_metadata(model, version)
-            batching = self.plane.model_config_json(model, version).get("max_batch_size", 0) > 0
-            infer_request = codec.decode_raw_request(model, version, metadata, batching, body)
+        resolved = None  # the JSON and binary paths decode without the model: the plane resolves it
+        if json_length == 0:  # a raw binary body: decoded against the signature of the version it runs on
+            resolved = self.plane.resolve(model, version)
+            infer_request = codec.decode_raw_request(model, version, self.plane.describe(resolved, not version),
+                                                     resolved.spec.max_batch_size > 0, body)
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
         forward_headers(self.header_pattern, request.headers.items(), infer_request.parameters)
         trace = self.plane.tracer.begin(infer_request, "HTTP", received)
         with self.plane.shared_memory.holding(infer_request.shm_regions):
-            response = await self.plane.infer(infer_request)
+            response = await self.plane.infer(infer_request, resolved)
             if trace is not None:
                 trace.stamp("HTTP_SEND_START")
             payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
