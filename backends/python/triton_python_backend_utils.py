@@ -6,20 +6,29 @@ Implemented: Tensor (numpy and DLPack), InferenceRequest (inputs, requested outp
 parameters, response sender, cancellation; and as a BLS request: exec / async_exec, decoupled
 too), InferenceResponse, InferenceResponseSender, TritonError, TritonModelException, the
 get_*_by_name helpers, type conversions, the decoupled-policy check, Logger, custom
-metrics (MetricFamily / Metric: counters, gauges, histograms, on the metrics port), and model
-management from a model (load_model, unload_model, is_model_ready).
+metrics (MetricFamily / Metric: counters, gauges, histograms, on the metrics port; defined in
+custom_metrics.py and imported here), and model management from a model (load_model,
+unload_model, is_model_ready).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+# custom metrics: the names models use, and the hooks the python backend (and its tests) call
+from pier.backends.python.custom_metrics import Metric as Metric
+from pier.backends.python.custom_metrics import MetricFamily as MetricFamily
+from pier.backends.python.custom_metrics import _families as _families
+from pier.backends.python.custom_metrics import _owner as _owner
+from pier.backends.python.custom_metrics import release_metric_families as release_metric_families
+from pier.backends.python.custom_metrics import render_metric_families as render_metric_families
+from pier.backends.python.errors import TritonModelException as TritonModelException
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -68,11 +77,6 @@ class TritonError:
         return f"TritonError({self._message!r}, code={self._code})"
 
 
-class TritonModelException(Exception):
-    """Raised by pb_utils calls that fail (e.g. a BLS request to an unknown model)."""
-
-    def message(self) -> str:
-        return str(self)
 
 
 # ---- tensors ----------------------------------------------------------------------------------
@@ -384,166 +388,6 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
         raise TritonModelException(f"Failed to check the readiness of model '{model_name}': model_version "
                                    "should be an integral value > 0")
     return bool(_require_bls().services.model_ready(model_name, model_version))
-
-
-# ---- custom metrics -------------------------------------------------------------------------------
-
-_metrics_lock = threading.Lock()
-_families: dict[str, dict[str, Any]] = {}  # name -> the family's shared state
-_owner = threading.local()  # the model instance whose initialize/execute/finalize is running
-
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-def _escape(value: str) -> str:
-    """A label value in Prometheus text: backslash, double quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
-
-
-class Metric:
-    """One labelled series of a MetricFamily (Triton's pb_utils.Metric): counters `increment`,
-    gauges `increment` and `set`, histograms `observe`; `value()` reads it."""
-
-    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float] | None) -> None:
-        for key, value in labels.items():
-            if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key):
-                raise TritonModelException(f"Invalid label name: '{key}'")
-            if not isinstance(value, str):
-                raise TritonModelException(f"label '{key}': the value must be a string, got {type(value).__name__}")
-        if buckets and any(b >= a for b, a in zip(buckets, buckets[1:])):
-            raise TritonModelException("Bucket Boundaries must be strictly sorted.")
-        self._family = family
-        self._labels = dict(sorted(labels.items()))  # prometheus-cpp (Triton) prints labels by name
-        self._value = 0.0
-        self._sum = 0.0
-        self._count = 0
-        self._buckets = [float(b) for b in buckets] if buckets else []
-        self._bucket_counts = [0] * len(self._buckets)
-
-    def increment(self, value: float) -> None:
-        if self._family._kind == MetricFamily.HISTOGRAM:
-            raise TritonModelException("Failed to increment metric value: TRITONSERVER_METRIC_KIND_HISTOGRAM "
-                                       "does not support Increment")
-        if self._family._kind == MetricFamily.COUNTER and value < 0:
-            raise TritonModelException("Failed to increment metric value: TRITONSERVER_METRIC_KIND_COUNTER can "
-                                       "only be incremented monotonically by non-negative values.")
-        self._value += value
-
-    def set(self, value: float) -> None:
-        if self._family._kind != MetricFamily.GAUGE:
-            raise TritonModelException(f"Failed to set metric value: {self._family._kind_name()} does not "
-                                       "support Set")
-        self._value = float(value)
-
-    def observe(self, value: float) -> None:
-        if self._family._kind != MetricFamily.HISTOGRAM:
-            raise TritonModelException(f"Failed to observe metric value: {self._family._kind_name()} does not "
-                                       "support Observe")
-        self._sum += value
-        self._count += 1
-        for i, bound in enumerate(self._buckets):
-            if value <= bound:
-                self._bucket_counts[i] += 1
-
-    def value(self) -> float:
-        if self._family._kind == MetricFamily.HISTOGRAM:
-            raise TritonModelException("Failed to get metric value: TRITONSERVER_METRIC_KIND_HISTOGRAM does not "
-                                       "support Value")
-        return self._value
-
-    def _render(self, name: str) -> str:
-        def labels(extra: dict[str, str] | None = None) -> str:
-            items = {**self._labels, **(extra or {})}
-            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in items.items())
-            return "{" + inner + "}" if inner else ""
-
-        if self._family._kind != MetricFamily.HISTOGRAM:
-            return f"{name}{labels()} {_number(self._value)}\n"
-        rows = [f"{name}_count{labels()} {self._count}\n", f"{name}_sum{labels()} {_number(self._sum)}\n"]
-        rows += [f"{name}_bucket{labels({'le': _number(b)})} {c}\n" for b, c in zip(self._buckets, self._bucket_counts)]
-        rows.append(f"{name}_bucket{labels({'le': '+Inf'})} {self._count}\n")
-        return "".join(rows)
-
-
-class MetricFamily:
-    """A custom metric family (Triton's pb_utils.MetricFamily), exported on the metrics port while
-    the model that made it is loaded. A second family of the same name and kind is the same family;
-    a Metric with the same labels is the same series."""
-
-    COUNTER = 0
-    GAUGE = 1
-    HISTOGRAM = 2
-    # The shared state (set through __dict__):
-    _name: str
-    _description: str
-    _kind: int
-    _metrics: dict[tuple[tuple[str, str], ...], Metric]
-    _owners: list[object]
-
-    def __init__(self, name: str, description: str, kind: int) -> None:
-        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
-            raise TritonModelException(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM")
-        if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
-            raise TritonModelException(f"Invalid metric name: '{name}'")
-        owner = getattr(_owner, "current", None)
-        with _metrics_lock:
-            state = _families.get(name)
-            if state is None:
-                state = _families[name] = {"_name": name, "_description": description, "_kind": kind,
-                                           "_metrics": {}, "_owners": []}
-            elif state["_kind"] != kind:
-                raise TritonModelException(f"metric family '{name}' already exists with another kind")
-            if owner is not None and owner not in state["_owners"]:
-                state["_owners"].append(owner)
-        self.__dict__ = state  # every MetricFamily object of this name shares one state
-
-    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
-        if self._kind == self.HISTOGRAM and not buckets:
-            raise TritonModelException("a histogram metric needs buckets")
-        made = Metric(self, labels or {}, buckets)  # checks the labels and buckets
-        key = tuple(sorted(made._labels.items()))
-        with _metrics_lock:
-            metric = self._metrics.setdefault(key, made)
-        return metric
-
-    def _kind_name(self) -> str:
-        return "TRITONSERVER_METRIC_KIND_" + ("COUNTER", "GAUGE", "HISTOGRAM")[self._kind]
-
-    def _render(self) -> str:
-        kind = ("counter", "gauge", "histogram")[self._kind]
-        with _metrics_lock:
-            metrics = list(self._metrics.values())
-        description = self._description.replace("\\", "\\\\").replace("\n", "\\n")
-        return (f"# HELP {self._name} {description}\n# TYPE {self._name} {kind}\n"
-                + "".join(m._render(self._name) for m in metrics))
-
-
-def render_metric_families(owner: object) -> str:
-    """The families `owner` (a model instance) is the first holder of, in Prometheus text."""
-    with _metrics_lock:
-        mine = [f for f in _families.values() if f["_owners"] and f["_owners"][0] is owner]
-    parts = []
-    for state in mine:
-        family = object.__new__(MetricFamily)
-        family.__dict__ = state
-        parts.append(family._render())
-    return "".join(parts)
-
-
-def release_metric_families(owner: object) -> None:
-    """A model instance unloaded: drop it as a holder; families nobody holds disappear."""
-    with _metrics_lock:
-        for name, state in list(_families.items()):
-            if owner in state["_owners"]:
-                state["_owners"].remove(owner)
-                if not state["_owners"]:
-                    del _families[name]
 
 
 class ModelConfig:

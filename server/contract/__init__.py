@@ -7,4 +7,6 @@ Pier beyond it (tests/layout/test_layers.py keeps these rules).
   execute result, and ServerServices (what a model may call back: BLS, model control).
 - `types`: Tensor, InferenceRequest / InferenceResponse, TensorSpec, ModelSpec.
 - `errors`: PierError and the protocol-neutral ErrorCode.
+- `prometheus`: the text exposition format every exporter writes (backends' metrics included).
+- `llm`: the LLM tensor protocol between the OpenAI frontend and the LLM backend.
 """

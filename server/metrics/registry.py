@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import prometheus_client
 
+from pier.contract.prometheus import family, histogram
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.response_cache import ResponseCache
 from pier.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
@@ -69,10 +70,6 @@ def _quantiles(text: str) -> tuple[tuple[float, float], ...]:
 
 def _labels(model: LoadedModel) -> str:
     return f'model="{model.spec.name}",version="{model.version_str}"'
-
-
-def _family(name: str, kind: str, help_text: str, rows: list[str]) -> str:
-    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "".join(rows)
 
 
 _COUNTERS: tuple[tuple[str, str, Callable[[LoadedModel], int]], ...] = (
@@ -171,8 +168,8 @@ class MetricsRenderer:
              lambda d: d.ns // 1000),
         ):
             if models:
-                parts.append(_family(name, "counter", help_text,
-                                     [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
+                parts.append(family(name, "counter", help_text,
+                                    [f"{name}{{{_labels(m)}}} {get(getattr(m.stats, stage))}\n" for m in models]))
         if cache is None:
             return "".join(parts)
         for name, help_text, value in (
@@ -187,37 +184,37 @@ class MetricsRenderer:
             ("nv_cache_util", "Cache utilization [0.0 - 1.0]", cache.used / cache.capacity if cache.capacity else 0.0),
         ):
             text = str(value) if isinstance(value, int) else f"{value:g}"
-            parts.append(_family(name, "gauge", help_text, [f"{name} {text}\n"]))
+            parts.append(family(name, "gauge", help_text, [f"{name} {text}\n"]))
         return "".join(parts)
 
     def render(self) -> bytes:
         models = sorted(self._models(), key=lambda m: (m.spec.name, m.version))
         parts = []
         for name, help_text, get in _COUNTERS[:1]:
-            parts.append(_family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
+            parts.append(family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
         rows = [f'nv_inference_request_failure{{model="{m.spec.name}",reason="{r}",version="{m.version_str}"}} '
                 f"{m.stats.failures[r]}\n" for m in models for r in FAILURE_REASONS]
-        parts.append(_family("nv_inference_request_failure", "counter",
-                             "Number of failed inference requests, all batch sizes", rows))
+        parts.append(family("nv_inference_request_failure", "counter",
+                            "Number of failed inference requests, all batch sizes", rows))
         for name, help_text, get in _COUNTERS[1:]:
-            parts.append(_family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
+            parts.append(family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
         if self._config.counter_latencies:
             for name, help_text, _, _, stage in _STAGE_METRICS:
                 rows = [f"{name}{{{_labels(m)}}} {getattr(m.stats, stage).ns // 1000}\n" for m in models]
-                parts.append(_family(name, "counter", help_text, rows))
+                parts.append(family(name, "counter", help_text, rows))
         parts.append(self._cache_metrics(models, self._cache))
-        parts.append(_family(
+        parts.append(family(
             "nv_inference_pending_request_count", "gauge",
             "Instantaneous number of pending requests awaiting execution per-model.",
             [f"nv_inference_pending_request_count{{{_labels(m)}}} {m.scheduler.pending_count()}\n" for m in models]))
         if self._config.histogram_latencies:
             parts.append(self._histogram(models))
-        parts.append(_family("nv_model_load_duration_secs", "gauge", "Model load time in seconds",
-                             [f"nv_model_load_duration_secs{{{_labels(m)}}} {m.load_duration_s:.6f}\n"
+        parts.append(family("nv_model_load_duration_secs", "gauge", "Model load time in seconds",
+                            [f"nv_model_load_duration_secs{{{_labels(m)}}} {m.load_duration_s:.6f}\n"
                               for m in models]))
         if self._traffic is not None:
             split = {name: self._traffic(name) for name in {m.spec.name for m in models}}
-            parts.append(_family(
+            parts.append(family(
                 "pier_model_traffic_percent", "gauge",
                 "Percent of unversioned requests routed to each version (rollout weights, else newest READY)",
                 [f"pier_model_traffic_percent{{{_labels(m)}}} {split[m.spec.name].get(m.version, 0.0):g}\n"
@@ -226,12 +223,12 @@ class MetricsRenderer:
             for instance in m.instances:
                 parts.append(instance.prometheus(m.spec.name, m.version_str))
         # Pier keeps no pinned (page-locked) host pool: both gauges are 0, present for dashboards.
-        parts.append(_family("nv_pinned_memory_pool_total_bytes", "gauge",
-                             "Pinned memory pool total memory size, in bytes",
-                             ["nv_pinned_memory_pool_total_bytes 0\n"]))
-        parts.append(_family("nv_pinned_memory_pool_used_bytes", "gauge",
-                             "Pinned memory pool used memory size, in bytes",
-                             ["nv_pinned_memory_pool_used_bytes 0\n"]))
+        parts.append(family("nv_pinned_memory_pool_total_bytes", "gauge",
+                            "Pinned memory pool total memory size, in bytes",
+                            ["nv_pinned_memory_pool_total_bytes 0\n"]))
+        parts.append(family("nv_pinned_memory_pool_used_bytes", "gauge",
+                            "Pinned memory pool used memory size, in bytes",
+                            ["nv_pinned_memory_pool_used_bytes 0\n"]))
         if self._config.summary_latencies:
             parts.append(self._summaries(models))
         if self._cpu_metrics:
@@ -254,7 +251,7 @@ class MetricsRenderer:
 
         out = []
         for column, (_, _, name, help_text, stage) in enumerate(_STAGE_METRICS, start=1):
-            out.append(_family(name, "summary", help_text, [
+            out.append(family(name, "summary", help_text, [
                 row for m in models
                 for row in rows(name, m, getattr(m.stats, stage), [r[column] // 1000 for r in windows[id(m)]])]))
         cached = [m for m in models if m.spec.response_cache]
@@ -263,7 +260,7 @@ class MetricsRenderer:
             if not cached:
                 continue
             text = f"Summary of cache {kind} counts/durations per model, in microseconds."  # Triton's words
-            out.append(_family(name, "summary", text, [
+            out.append(family(name, "summary", text, [
                 row for m in cached
                 for row in rows(name, m, getattr(m.stats, f"cache_{kind}"),
                                 [ns // 1000 for t, ns in getattr(m.stats, recent) or () if t >= horizon])]))
@@ -272,28 +269,22 @@ class MetricsRenderer:
     def _cpu(self) -> str:
         total, used = self._system.memory()
         parts = []
-        parts.append(_family("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]",
-                             [f"nv_cpu_utilization {self._system.utilization()}\n"]))
-        parts.append(_family("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes",
-                             [f"nv_cpu_memory_total_bytes {total}\n"]))
-        parts.append(_family("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes",
-                             [f"nv_cpu_memory_used_bytes {used}\n"]))
+        parts.append(family("nv_cpu_utilization", "gauge", "CPU utilization rate [0.0 - 1.0]",
+                            [f"nv_cpu_utilization {self._system.utilization()}\n"]))
+        parts.append(family("nv_cpu_memory_total_bytes", "gauge", "CPU total memory (RAM), in bytes",
+                            [f"nv_cpu_memory_total_bytes {total}\n"]))
+        parts.append(family("nv_cpu_memory_used_bytes", "gauge", "CPU used memory (RAM), in bytes",
+                            [f"nv_cpu_memory_used_bytes {used}\n"]))
         return "".join(parts)
 
     @staticmethod
     def _histogram(models: list[LoadedModel]) -> str:
         name = "nv_inference_first_response_histogram_ms"
-        rows = []
+        rows: list[str] = []
         for m in models:
             if not m.spec.decoupled:  # as Triton (2.52+): the histogram is the decoupled models'
                 continue
             s = m.stats
-            cumulative = 0
-            for bound, count in zip(HISTOGRAM_BUCKETS_MS, s.first_response_buckets):
-                cumulative += count
-                rows.append(f'{name}_bucket{{{_labels(m)},le="{bound:g}"}} {cumulative}\n')
-            cumulative += s.first_response_buckets[-1]
-            rows.append(f'{name}_bucket{{{_labels(m)},le="+Inf"}} {cumulative}\n')
-            rows.append(f"{name}_sum{{{_labels(m)}}} {s.first_response_ms}\n")
-            rows.append(f"{name}_count{{{_labels(m)}}} {s.first_responses}\n")
-        return _family(name, "histogram", "Duration from request to first response in milliseconds", rows)
+            rows += histogram(name, _labels(m), HISTOGRAM_BUCKETS_MS, s.first_response_buckets, s.first_response_ms,
+                              s.first_responses, bound_text=lambda b: f"{b:g}", sum_text=str)
+        return family(name, "histogram", "Duration from request to first response in milliseconds", rows)
