@@ -15,6 +15,7 @@ from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, 
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.source import is_version
+from pier.repository.spec import config_to_json
 from pier.response_cache import ResponseCache
 from pier.routing import RoutingTable
 from pier.scheduling.base import WorkItem
@@ -121,7 +122,7 @@ class DataPlane:
         return dict(sorted(out.items()))
 
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
-        return dict(self.resolve(name, version).spec.config_json)
+        return config_to_json(self.resolve(name, version).config)
 
     def model_config(self, name: str, version: str = "") -> mc.ModelConfig:
         return self.resolve(name, version).config
@@ -210,9 +211,10 @@ class DataPlane:
         if owned:
             self.tracer.finish(trace)
 
-    async def _infer(self, model: LoadedModel, request: InferenceRequest, batch: int = -1) -> InferenceResponse:
+    async def _infer(self, model: LoadedModel, request: InferenceRequest,
+                     batch: int | None = None) -> InferenceResponse:
         """Run one request (`batch`: its batch size when already validated, for a cache miss)."""
-        if batch < 0:
+        if batch is None:
             # A request refused here never reached the model: as in Triton 2.51 (probed), it counts
             # in neither the statistics' fail count nor nv_inference_request_failure.
             batch = validate_request(model.spec, request)

@@ -12,6 +12,7 @@ several CPU instances split the cores between them (see `_session_options`).
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ def _providers(model: ModelContext, instance: InstanceContext) -> list[object]:
         )
     device = {"device_id": instance.device_id or 0}
     providers: list[object] = [("CUDAExecutionProvider", device)]
-    accel = (model.spec.config_json.get("optimization", {}).get("execution_accelerators", {})
+    accel = (json.loads(model.config_json).get("optimization", {}).get("execution_accelerators", {})
              .get("gpu_execution_accelerator", []))
     if any(a.get("name") == "tensorrt" for a in accel):
         if "TensorrtExecutionProvider" not in available:

@@ -69,7 +69,7 @@ class PythonInstance(ModelInstance):
         self._ctx = ctx
         self._spec = ctx.spec
         self._decoupled = ctx.spec.decoupled
-        self._iterative = bool(getattr(ctx.spec.sequence, "iterative", False))  # RESCHEDULE runs it again
+        self._iterative = ctx.spec.sequence is not None and ctx.spec.sequence.iterative  # RESCHEDULE runs it again
         self._out_types = {t.name: t.datatype for t in ctx.spec.outputs}
         self._out_names = list(self._out_types)
         self._loop: asyncio.AbstractEventLoop | None = None

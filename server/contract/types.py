@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract.policies import BatchingPolicy, SequencePolicy
+
 ParamValue = Any  # bool | int | float | str
 
 
@@ -107,7 +109,8 @@ class InstanceGroupSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed, validated, completed model configuration: built once per load, never mutated."""
+    """What requests and backends need of a completed model configuration, derived once per load
+    (pier.repository.spec) and never mutated; the completed protobuf stays the one source."""
 
     name: str
     platform: str
@@ -119,11 +122,11 @@ class ModelSpec:
     default_model_filename: str
     parameters: Mapping[str, str]
     decoupled: bool = False
-    config_json: Mapping[str, Any] = field(default_factory=dict)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     batch_outputs: tuple[BatchOutputSpec, ...] = ()
     labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
-    sequence: Any = None  # the SequencePolicy of a model with sequence_batching
+    batching: BatchingPolicy | None = None  # dynamic batching (or a sequence batcher's, across sequences)
+    sequence: SequencePolicy | None = None  # sequence_batching: controls and implicit states
     response_cache: bool = False  # response_cache { enable: true } (the server's --cache-config decides)
 
     def __post_init__(self) -> None:

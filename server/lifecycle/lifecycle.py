@@ -26,7 +26,6 @@ from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
 from pier.protocol import model_config_pb2 as mc
-from pier.repository import model_config
 from pier.repository.disk import ModelOnDisk
 from pier.routing import Route, RoutingTable
 from pier.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
@@ -210,7 +209,8 @@ class ModelLifecycle:
             try:
                 backend = backend_registry.get_backend(disk.entry)
                 instances = await loop.run_in_executor(
-                    None, create_instances, backend, disk.spec, version, disk.path, self._gpus, self._services)
+                    None, create_instances, backend, disk.spec, disk.config, version, disk.path, self._gpus,
+                    self._services)
             except PierError as exc:
                 return exc.message
             except Exception as exc:  # a backend failing to load must not take the server down
@@ -235,7 +235,7 @@ class ModelLifecycle:
         if plan.decoupled and not config.model_transaction_policy.decoupled:  # as Triton marks such an ensemble
             config = mc.ModelConfig.FromString(config.SerializeToString())
             config.model_transaction_policy.decoupled = True
-            spec = dataclasses.replace(spec, decoupled=True, config_json=model_config.config_to_json(config))
+            spec = dataclasses.replace(spec, decoupled=True)
         stats = ModelStatistics.create(self._keep_recent)
         scheduler = EnsembleScheduler(plan, self._services.infer_async, stats, self._services.infer_stream_async)
         return LoadedModel(spec, config, version, scheduler, stats)

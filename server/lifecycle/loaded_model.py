@@ -10,7 +10,8 @@ from typing import Any
 from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
 from pier.contract.errors import unavailable
 from pier.contract.types import ModelSpec
-from pier.repository.model_config import batching_policy
+from pier.protocol import model_config_pb2 as mc
+from pier.repository.spec import config_to_json
 from pier.scheduling.base import Scheduler
 from pier.scheduling.direct import DirectScheduler
 from pier.scheduling.dynamic_batcher import DynamicBatcher
@@ -40,11 +41,12 @@ class LoadedModel:
         await self.scheduler.stop()
 
 
-def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir: Path,
+def create_instances(backend: Backend, spec: ModelSpec, config: mc.ModelConfig, version: int, model_dir: Path,
                      gpu_count: int, services: ServerServices | None = None) -> list[ModelInstance]:
-    """Blocking: one backend instance per configured instance (KIND_GPU: per listed GPU)."""
+    """Blocking: one backend instance per configured instance (KIND_GPU: per listed GPU). The
+    backend sees the completed config as Triton's JSON, as Triton's backend API gives it."""
     ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version),
-                       config_json=json.dumps(spec.config_json), services=services)
+                       config_json=json.dumps(config_to_json(config)), services=services)
     instances: list[ModelInstance] = []
     try:
         for group in spec.instance_groups:
@@ -71,18 +73,18 @@ def create_instances(backend: Backend, spec: ModelSpec, version: int, model_dir:
     return instances
 
 
-def build_loaded_model(spec: ModelSpec, config: Any, version: int,
+def build_loaded_model(spec: ModelSpec, config: mc.ModelConfig, version: int,
                        instances: list[ModelInstance], keep_recent: bool = False) -> LoadedModel:
     """On the event loop: wrap instances in the scheduler the config asks for (`keep_recent`:
     statistics keep a window of recent requests, for the summary metrics)."""
     stats = ModelStatistics.create(keep_recent)
     name = f"{spec.name}-{version}"
-    policy = batching_policy(config)
+    layout = BatchLayout.from_spec(spec)
     scheduler: Scheduler
-    if policy is None:
-        scheduler = DirectScheduler(instances, stats, name, BatchLayout.from_spec(spec))
+    if spec.batching is None:
+        scheduler = DirectScheduler(instances, stats, name, layout)
     else:
-        scheduler = DynamicBatcher(instances, stats, name, policy)
+        scheduler = DynamicBatcher(instances, stats, name, spec.batching, layout)
     if spec.sequence is not None:
         scheduler = SequenceBatcher(scheduler, spec.sequence, spec.name)
     model = LoadedModel(spec, config, version, scheduler, stats)

@@ -16,6 +16,7 @@ from pier.contract.errors import invalid_arg
 from pier.contract.types import ModelSignature, ModelSpec
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config, source
+from pier.repository.spec import build_spec
 from pier.repository.version_policy import select_versions
 
 WEIGHTS_PARAMETER = "traffic_weights"  # config parameter: "1:90,2:10"
@@ -121,7 +122,7 @@ def read_model(name: str, path: Path, override: LoadOverride | None, config_name
     if not wanted:  # Triton's refusal (a `specific` policy naming no existing folder, say)
         raise invalid_arg(f"at least one version must be available under the version policy of model '{name}'")
     wanted -= excluded
-    spec = model_config.build_spec(config, path)
+    spec = build_spec(config, path)
     entry = backend_registry.lookup(spec.platform, spec.backend)
     weights = parse_weights(config.parameters[WEIGHTS_PARAMETER].string_value) \
         if WEIGHTS_PARAMETER in config.parameters else None

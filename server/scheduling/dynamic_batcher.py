@@ -24,36 +24,13 @@ from dataclasses import dataclass, field
 
 from pier.contract.backend import ExecuteResult, ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
+from pier.contract.policies import BatchingPolicy, QueuePolicy
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import CompatKey, compat_key, merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult
 from pier.scheduling.ragged import BatchLayout
 from pier.statistics import ModelStatistics
 from pier.validation import request_prefix
-
-
-@dataclass(frozen=True)
-class QueuePolicy:
-    timeout_action_delay: bool = False  # False: REJECT (default), True: DELAY
-    default_timeout_us: int = 0  # 0: no timeout
-    allow_timeout_override: bool = False
-    max_queue_size: int = 0  # 0: unbounded
-
-
-@dataclass(frozen=True)
-class BatchingPolicy:
-    max_batch_size: int
-    preferred_sizes: tuple[int, ...] = ()
-    max_queue_delay_us: int = 0
-    preserve_ordering: bool = False
-    priority_levels: int = 0
-    default_priority_level: int = 0
-    default_policy: QueuePolicy = QueuePolicy()
-    level_policies: dict[int, QueuePolicy] = field(default_factory=dict)
-    layout: BatchLayout | None = None  # ragged inputs, batch inputs/outputs (None: plain batching)
-
-    def policy(self, level: int) -> QueuePolicy:
-        return self.level_policies.get(level, self.default_policy)
 
 
 @dataclass(slots=True, eq=False)
@@ -81,11 +58,13 @@ class _Level:
 
 class DynamicBatcher(Scheduler):
     def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
-                 policy: BatchingPolicy) -> None:
+                 policy: BatchingPolicy, layout: BatchLayout | None = None) -> None:
+        """`layout`: the model's ragged inputs and batch inputs/outputs (None: plain batching)."""
         self._pool = InstancePool(instances, name)
         self._idle = self._pool.size
         self._stats = stats
         self._policy = policy
+        self._layout = layout
         self._levels: dict[int, _Level] = {}  # only the levels holding requests (and a lone emptied one)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
@@ -98,7 +77,7 @@ class DynamicBatcher(Scheduler):
         # Fixed per policy, read on every request: skip the timeout pass when no level can time out.
         self._timeouts = any(q.default_timeout_us or q.allow_timeout_override
                              for q in (policy.default_policy, *policy.level_policies.values()))
-        self._ragged = policy.layout.ragged_inputs if policy.layout is not None else frozenset()
+        self._ragged = layout.ragged_inputs if layout is not None else frozenset()
 
     # ---- enqueue -------------------------------------------------------------------------
 
@@ -315,7 +294,7 @@ class DynamicBatcher(Scheduler):
         self._next_seq += 1
         try:
             requests = [p.item.request for p in batch]
-            job_requests = requests if self._pool.unbatched else [merge(requests, self._policy.layout)]
+            job_requests = requests if self._pool.unbatched else [merge(requests, self._layout)]
             job = self._pool.run_inline(job_requests)
         except Exception as exc:  # the batch cannot be formed: fail its requests, nothing else
             err = exc if isinstance(exc, PierError) else internal(f"cannot form the batch: {exc}")
@@ -344,7 +323,7 @@ class DynamicBatcher(Scheduler):
             expected = len(batch) if self._pool.unbatched else 1
             results = [internal(f"backend returned {len(job.results)} results for {expected}")] * len(batch)
         else:
-            results = split(job.results[0], sizes, [p.item.request for p in batch], self._policy.layout)
+            results = split(job.results[0], sizes, [p.item.request for p in batch], self._layout)
         done = time.perf_counter_ns()
         input_ns = job.start_ns - job.picked_ns
         infer_ns = job.end_ns - job.start_ns

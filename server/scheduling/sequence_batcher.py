@@ -31,40 +31,12 @@ import numpy as np
 
 from pier.contract.backend import RESCHEDULE, ExecuteResult
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
+from pier.contract.policies import SequencePolicy
 from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.datatypes import numpy_dtype
 from pier.scheduling.base import Scheduler, WorkItem
 
 CorrelationId = int | str
-
-
-@dataclass(frozen=True, slots=True)
-class Control:
-    """One control input: its tensor name, kind (START, END, READY, CORRID) and datatype;
-    `values` are the (false, true) pair for the flags."""
-
-    name: str
-    kind: str
-    datatype: str
-    values: tuple[Any, Any] = (0, 1)
-
-
-@dataclass(frozen=True, slots=True)
-class StateSpec:
-    input_name: str
-    output_name: str
-    datatype: str
-    initial: np.ndarray  # the state a sequence starts from, without the batch dim
-
-
-@dataclass(frozen=True, slots=True)
-class SequencePolicy:
-    idle_ns: int
-    batched: bool
-    controls: tuple[Control, ...] = ()
-    states: tuple[StateSpec, ...] = ()
-    returned_states: frozenset[str] = frozenset()  # state outputs the config lists as outputs
-    iterative: bool = False  # `iterative_sequence`: each request is a sequence the model may reschedule
 
 
 @dataclass(slots=True)

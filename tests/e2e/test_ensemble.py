@@ -141,15 +141,16 @@ def test_step_failure_is_named_and_counted_as_triton_does(server: PierProcess) -
 
 def test_invalid_ensemble_shape(tmp_path: Path) -> None:
     from pier.repository import model_config
+    from pier.repository import spec as spec_of
     from pier.scheduling.ensemble import build_plan
 
     simple = model_config.parse_config_file(EXAMPLE_REPO / "simple" / "config.pbtxt")
-    simple_spec = model_config.build_spec(simple)
+    simple_spec = spec_of.build_spec(simple)
     text = graph("shape").replace('name: "B" data_type: TYPE_INT32 dims: [ 16 ]',
                                   'name: "B" data_type: TYPE_INT32 dims: [ 3 ]')
     cfg = model_config.parse_config_text(text, "shape")
     with pytest.raises(Exception, match=r"step 1 \(model 'simple'\): input 'INPUT1' expects dims \[16\]"):
-        build_plan(cfg, model_config.build_spec(cfg), lambda name, version: simple_spec)
+        build_plan(cfg, spec_of.build_spec(cfg), lambda name, version: simple_spec)
 
 
 def test_explicit_mode_loads_composing_models(tmp_path: Path) -> None:

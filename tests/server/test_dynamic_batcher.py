@@ -13,9 +13,10 @@ import pytest
 
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
+from pier.contract.policies import BatchingPolicy, QueuePolicy
 from pier.contract.types import InferenceRequest, Tensor
 from pier.scheduling.base import WorkItem
-from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher, QueuePolicy
+from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.statistics import ModelStatistics
 
 

@@ -12,6 +12,7 @@ from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
+from pier.repository import spec as spec_of
 from pier.repository.version_policy import select_versions
 from pier.validation import check_parameters, validate_request
 
@@ -49,11 +50,11 @@ def test_completion_fills_what_triton_fills():
     assert [g.name for g in c.instance_group] == ["m_0", "m_1"]
     assert c.instance_group[1].kind == mc.ModelInstanceGroup.KIND_CPU and c.instance_group[1].count == 1
     assert list(c.dynamic_batching.preferred_batch_size) == [8]
-    j = model_config.config_to_json(c)
+    j = spec_of.config_to_json(c)
     assert j["input"][0]["dims"] == [-1, 4]  # int64 as JSON numbers, not strings
     assert j["dynamic_batching"]["max_queue_delay_microseconds"] == 100
     assert j["input"][0]["data_type"] == "TYPE_FP32" and j["input"][0]["optional"] is False
-    spec = model_config.build_spec(c)
+    spec = spec_of.build_spec(c)
     assert spec.api_shape(spec.inputs[0]) == [-1, -1, 4] and spec.input("IN").datatype == "FP32"
 
 
@@ -71,7 +72,7 @@ sequence_batching { oldest { max_candidate_sequences: 2 } }
     assert list(c.sequence_batching.oldest.preferred_batch_size) == [4]
     control = c.sequence_batching.control_input.add(name="START")
     control.control.add(kind=mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START, fp32_false_true=[0.0, 1.5])
-    j = model_config.config_to_json(c)["sequence_batching"]["control_input"][0]["control"][0]
+    j = spec_of.config_to_json(c)["sequence_batching"]["control_input"][0]["control"][0]
     assert j["fp32_false_true"] == [0, 1.5] and type(j["fp32_false_true"][0]) is int  # C++ protobuf JSON: 0, not 0.0
 
 
@@ -127,7 +128,7 @@ def test_version_policy(policy, expected):
 
 
 def _spec():
-    return model_config.build_spec(complete(GOOD))
+    return spec_of.build_spec(complete(GOOD))
 
 
 def _req(*tensors, outputs=()):

@@ -13,13 +13,15 @@ import pytest
 
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
+from pier.contract.policies import BatchingPolicy
 from pier.contract.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
+from pier.repository import spec as spec_of
 from pier.scheduling.base import WorkItem
 from pier.scheduling.batch import compat_key, merge, split
 from pier.scheduling.direct import DirectScheduler
-from pier.scheduling.dynamic_batcher import BatchingPolicy, DynamicBatcher
+from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.scheduling.ragged import BatchLayout, ScatterOutput, batch_input_value
 from pier.statistics import ModelStatistics
 from pier.validation import validate_request
@@ -221,8 +223,8 @@ def test_dynamic_batcher_batches_different_lengths_and_answers_each_its_own():
     async def main():
         inst = RaggedSum(delay=0.002)
         stats = ModelStatistics()
-        policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=5000, layout=LAYOUT)
-        b = DynamicBatcher([inst], stats, "ragged", policy)
+        policy = BatchingPolicy(max_batch_size=8, max_queue_delay_us=5000)
+        b = DynamicBatcher([inst], stats, "ragged", policy, LAYOUT)
         rng = np.random.default_rng(0)
         items = [WorkItem(ragged_request(rng.integers(0, 100, size=1 + i % 7).astype(np.float32)), 1)
                  for i in range(40)]
@@ -247,8 +249,7 @@ def test_without_ragged_config_different_lengths_never_share_a_batch():
         gate = threading.Event()
         inst = RaggedSum(gate=gate)
         layout = BatchLayout(ragged_inputs=frozenset(), batch_inputs=(SUM_INDEX,))
-        b = DynamicBatcher([inst], ModelStatistics(), "plain", BatchingPolicy(8, max_queue_delay_us=50_000,
-                                                                                 layout=layout))
+        b = DynamicBatcher([inst], ModelStatistics(), "plain", BatchingPolicy(8, max_queue_delay_us=50_000), layout)
         items = [WorkItem(ragged_request(np.ones(n, np.float32)), 1) for n in (3, 3, 4, 4, 5)]
         tasks = [asyncio.ensure_future(b.enqueue(it)) for it in items]
         await asyncio.sleep(0.01)
@@ -264,7 +265,7 @@ def test_a_batch_that_cannot_be_formed_fails_its_requests_and_the_batcher_goes_o
     async def main():
         layout = BatchLayout(frozenset({"INPUT"}), (BatchInputSpec("BATCH_ELEMENT_COUNT", ("N",), "INT32",
                                                                    ("MISSING",)),))
-        b = DynamicBatcher([RaggedSum()], ModelStatistics(), "broken", BatchingPolicy(8, layout=layout))
+        b = DynamicBatcher([RaggedSum()], ModelStatistics(), "broken", BatchingPolicy(8), layout)
         for _ in range(2):  # the first failure leaves the batcher serving (the instance is idle again)
             res = await asyncio.wait_for(b.enqueue(WorkItem(ragged_request([1, 2]), 1)), 5)
             assert isinstance(res, PierError) and "input 'MISSING' is needed to form the batch" in res.message
@@ -308,15 +309,14 @@ def _complete(text: str) -> mc.ModelConfig:
 
 def test_spec_and_policy_carry_the_ragged_config():
     config = _complete(RAGGED_CONFIG)
-    spec = model_config.build_spec(config)
+    spec = spec_of.build_spec(config)
     assert spec.input("INPUT").allow_ragged_batch and not spec.input("OPT").allow_ragged_batch
     assert spec.batch_inputs == (SUM_INDEX,)
     assert spec.batch_outputs[0].target_names == ("DOUBLED",) and spec.batch_outputs[0].source_inputs == ("INPUT",)
-    policy = model_config.batching_policy(config)
-    assert policy is not None and policy.layout == LAYOUT
+    assert spec.batching is not None and BatchLayout.from_spec(spec) == LAYOUT
     plain = _complete(RAGGED_CONFIG.split("batch_input")[0].replace("allow_ragged_batch: true", "")
                       + "dynamic_batching { }")
-    assert model_config.batching_policy(plain).layout is None
+    assert spec_of.build_spec(plain).batching is not None and BatchLayout.from_spec(spec_of.build_spec(plain)) is None
 
 
 def _variant(old: str, new: str) -> str:
@@ -361,7 +361,7 @@ def test_valid_ragged_config_is_accepted():
 
 def test_a_request_must_carry_an_optional_input_that_a_batch_input_reads():
     text = _variant('source_input: "INPUT" } ]\nbatch_output', 'source_input: "OPT" } ]\nbatch_output')
-    spec = model_config.build_spec(_complete(text))
+    spec = spec_of.build_spec(_complete(text))
     req = ragged_request([1, 2, 3])
     with pytest.raises(PierError) as err:
         validate_request(spec, req)
