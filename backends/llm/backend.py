@@ -1,14 +1,8 @@
 """The LLM backend (`backend: "llm"`): a Hugging Face folder served by the paged-KV engine with
 continuous batching. Decoupled, with the tensors Triton's vLLM backend uses, so clients written
-for Triton + vLLM work unchanged:
-
-  inputs   text_input (BYTES), stream (BOOL), sampling_parameters (BYTES, JSON of vLLM's
-           sampling fields), exclude_input_in_output (BOOL), return_finish_reason,
-           return_num_input_tokens, return_num_output_tokens (BOOL); Pier's extras for the
-           OpenAI frontend: chat_messages (BYTES, JSON list of chat messages: the chat template
-           is applied), input_ids (INT64, a prompt given as token ids), return_logprobs (BOOL)
-  outputs  text_output (BYTES); finish_reason (BYTES), num_input_tokens / num_output_tokens
-           (UINT32), sequence_index (UINT32), logprobs (BYTES, JSON) when asked for
+for Triton + vLLM work unchanged, plus Pier's extras for the OpenAI frontend: the LLM tensor
+protocol, named and described in pier.contract.llm (inputs text_input, stream,
+sampling_parameters, ...; outputs text_output, finish_reason, ..., logprobs).
 
 With `stream` true each response carries the new text of one sequence; otherwise one response
 per sequence carries its whole text (the prompt first, unless exclude_input_in_output). The
@@ -30,32 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract import llm
 from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
+from pier.contract.llm import INPUTS, OUTPUTS
+from pier.contract.prometheus import histogram
 from pier.contract.types import InferenceRequest, ModelSignature, Tensor
 
-INPUTS = (
-    ("text_input", "BYTES", (1,)),
-    ("stream", "BOOL", (1,)),
-    ("sampling_parameters", "BYTES", (1,)),
-    ("exclude_input_in_output", "BOOL", (1,)),
-    ("return_finish_reason", "BOOL", (1,)),
-    ("return_num_input_tokens", "BOOL", (1,)),
-    ("return_num_output_tokens", "BOOL", (1,)),
-    ("return_logprobs", "BOOL", (1,)),
-    ("chat_messages", "BYTES", (1,)),
-    ("input_ids", "INT64", (-1,)),
-)
-OUTPUTS = (
-    ("text_output", "BYTES", (-1,)),
-    ("finish_reason", "BYTES", (-1,)),
-    ("num_input_tokens", "UINT32", (-1,)),
-    ("num_output_tokens", "UINT32", (-1,)),
-    ("sequence_index", "UINT32", (-1,)),
-    ("logprobs", "BYTES", (-1,)),
-    ("stop_reason", "BYTES", (-1,)),
-    ("prompt_logprobs", "BYTES", (-1,)),
-)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -96,14 +71,7 @@ class _Histogram:
 
     def render(self, name: str, labels: str) -> list[str]:
         with self.lock:
-            rows, cumulative = [], 0
-            for b, c in zip(self.buckets, self.counts):
-                cumulative += c
-                rows.append(f'{name}_bucket{{{labels},le="{b}"}} {cumulative}\n')
-            rows.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}\n')
-            rows.append(f"{name}_sum{{{labels}}} {self.total}\n")
-            rows.append(f"{name}_count{{{labels}}} {self.n}\n")
-            return rows
+            return histogram(name, labels, self.buckets, self.counts, self.total, self.n, bound_text=str, sum_text=str)
 
 
 def _scalar(request: InferenceRequest, name: str) -> Any:
@@ -124,6 +92,14 @@ def _text(value: Any, name: str) -> str:
         except UnicodeDecodeError:
             raise invalid_arg(f"input '{name}' is not valid UTF-8") from None
     return str(value)
+
+
+def _bytes(name: str, value: bytes) -> Tensor:
+    return Tensor(name, "BYTES", [1], np.array([value], dtype=object))
+
+
+def _uint32(name: str, value: int) -> Tensor:
+    return Tensor(name, "UINT32", [1], np.array([value], np.uint32))
 
 
 _TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
@@ -162,18 +138,18 @@ def _render_chat(tokenizer: Any, doc: Any) -> str:
     "continue_final_message", "chat_template_kwargs", "tools"} (the OpenAI frontend's template options).
     continue_final_message renders without a generation prompt and ends the text right after the
     last message's content, so the model continues it."""
-    options: dict[str, Any] = doc if isinstance(doc, dict) else {"messages": doc}
-    messages = options.get("messages")
+    options: dict[str, Any] = doc if isinstance(doc, dict) else {llm.CHAT_OPTION_MESSAGES: doc}
+    messages = options.get(llm.CHAT_OPTION_MESSAGES)
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    add = bool(options.get("add_generation_prompt", True))
-    cont = bool(options.get("continue_final_message", False))
-    kwargs = options.get("chat_template_kwargs") or {}
+    add = bool(options.get(llm.CHAT_OPTION_ADD_GENERATION_PROMPT, True))
+    cont = bool(options.get(llm.CHAT_OPTION_CONTINUE_FINAL_MESSAGE, False))
+    kwargs = options.get(llm.CHAT_OPTION_TEMPLATE_KWARGS) or {}
     if not isinstance(kwargs, dict) or _TEMPLATE_NAMES & kwargs.keys():
         raise ValueError(f"chat_template_kwargs must be an object without {sorted(_TEMPLATE_NAMES)}")
     if add and cont:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    tools = options.get("tools")
+    tools = options.get(llm.CHAT_OPTION_TOOLS)
     if tools is not None and not isinstance(tools, list):
         raise ValueError("tools must be a list")
     messages = [_plain_message(m) for m in messages]
@@ -250,14 +226,12 @@ class LLMInstance(ModelInstance):
     def _parse(self, request: InferenceRequest) -> tuple[Any, Any, dict[str, bool]]:
         if request.response_sink is None:
             raise invalid_arg("the LLM model is decoupled: use gRPC ModelStreamInfer, generate or generate_stream")
-        flags = {name: bool(_scalar(request, name)) for name in (
-            "stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-            "return_num_output_tokens", "return_logprobs")}
-        raw = _scalar(request, "sampling_parameters")
+        flags = {name: bool(_scalar(request, name)) for name in llm.FLAG_INPUTS}
+        raw = _scalar(request, llm.SAMPLING_PARAMETERS)
         sampling_doc: dict[str, Any] = {}
         if raw not in (None, b"", ""):
             try:
-                sampling_doc = json.loads(_text(raw, "sampling_parameters"))
+                sampling_doc = json.loads(_text(raw, llm.SAMPLING_PARAMETERS))
             except RecursionError:
                 raise invalid_arg("sampling_parameters: the JSON is nested too deeply") from None
             except ValueError as exc:
@@ -272,34 +246,34 @@ class LLMInstance(ModelInstance):
             sampling = self._sampling_cls.from_json(sampling_doc)
         except (ValueError, TypeError) as exc:
             raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
-        messages = _scalar(request, "chat_messages")
-        token_ids = next((t for t in request.inputs if t.name == "input_ids"), None)
+        messages = _scalar(request, llm.CHAT_MESSAGES)
+        token_ids = next((t for t in request.inputs if t.name == llm.INPUT_IDS), None)
         if token_ids is not None and token_ids.data.size:
             prompt: Any = [int(v) for v in token_ids.data.reshape(-1)]
-            flags["exclude_input_in_output"] = True
+            flags[llm.EXCLUDE_INPUT_IN_OUTPUT] = True
         elif messages not in (None, b"", ""):
             try:
-                text = _render_chat(self.tokenizer, json.loads(_text(messages, "chat_messages")))
+                text = _render_chat(self.tokenizer, json.loads(_text(messages, llm.CHAT_MESSAGES)))
                 self.engine.check_text_length(text)
             except RecursionError:
                 raise invalid_arg("chat_messages: the JSON is nested too deeply") from None
             except (ValueError, TypeError) as exc:
                 raise invalid_arg(f"chat_messages: {exc}") from None
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
-            flags["exclude_input_in_output"] = True
+            flags[llm.EXCLUDE_INPUT_IN_OUTPUT] = True
         else:
-            value = _scalar(request, "text_input")
+            value = _scalar(request, llm.TEXT_INPUT)
             if value is None:
-                raise invalid_arg("input 'text_input' is required")
-            prompt = _text(value, "text_input")
+                raise invalid_arg(f"input '{llm.TEXT_INPUT}' is required")
+            prompt = _text(value, llm.TEXT_INPUT)
         return prompt, sampling, flags
 
     async def _serve(self, request: InferenceRequest, prompt: Any, sampling: Any, flags: dict[str, bool]) -> None:
         sink = request.response_sink
         assert sink is not None
         rid = f"{request.id or 'req'}-{next(self._ids)}"
-        stream = flags["stream"]
-        prefix = "" if stream or flags["exclude_input_in_output"] or not isinstance(prompt, str) else prompt
+        stream = flags[llm.STREAM]
+        prefix = "" if stream or flags[llm.EXCLUDE_INPUT_IN_OUTPUT] or not isinstance(prompt, str) else prompt
         texts: dict[int, list[str]] = {}
         logprobs: dict[int, list[Any]] = {}
         logprob_ids: dict[int, list[int]] = {}  # the tokens `logprobs` (not yet sent) are for
@@ -326,7 +300,7 @@ class LLMInstance(ModelInstance):
                     last_token_at[out.index] = now
                 if out.finished:
                     remaining -= 1
-                    if out.finish_reason != "abort":
+                    if out.finish_reason != llm.FINISH_ABORT:
                         self._observe_finished(out, sampling)
                 final = remaining <= 0
                 # prompt logprobs come with a sequence's first output: keep them for its first response
@@ -337,13 +311,13 @@ class LLMInstance(ModelInstance):
                 emits = out.finished or (stream and bool(out.text or out.token_ids))
                 if emits and out.index in pending_prompt_lp:
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
-                if flags["return_logprobs"] and out.index not in context:
+                if flags[llm.RETURN_LOGPROBS] and out.index not in context:
                     context[out.index] = list((out.prompt_ids or [])[-_CONTEXT_TOKENS:])
                 if stream:
                     if emits:
                         sink(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
                                            context.get(out.index)), final)
-                    if flags["return_logprobs"]:
+                    if flags[llm.RETURN_LOGPROBS]:
                         context[out.index] = (context[out.index] + out.token_ids)[-_CONTEXT_TOKENS:]
                 else:
                     texts.setdefault(out.index, []).append(out.text)
@@ -356,7 +330,7 @@ class LLMInstance(ModelInstance):
                                            logprob_ids.pop(out.index, []), context.get(out.index)), final)
                 if final:
                     self._e2e.observe(time.monotonic() - started)
-                    if out.finish_reason == "abort":
+                    if out.finish_reason == llm.FINISH_ABORT:
                         self._requests_aborted += 1
                     else:
                         self._requests_ok += 1
@@ -404,26 +378,26 @@ class LLMInstance(ModelInstance):
 
     def _tensors(self, text: str, out: Any, flags: dict[str, bool], lps: Any, finished: bool,
                  lp_ids: Sequence[int] = (), context: Sequence[int] | None = None) -> list[Tensor]:
-        tensors = [Tensor("text_output", "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))]
-        if flags["return_finish_reason"]:
+        tensors = [_bytes(llm.TEXT_OUTPUT, text.encode("utf-8"))]
+        if flags[llm.RETURN_FINISH_REASON]:
             reason = (out.finish_reason or "") if finished else ""
-            tensors.append(Tensor("finish_reason", "BYTES", [1], np.array([reason.encode()], dtype=object)))
+            tensors.append(_bytes(llm.FINISH_REASON, reason.encode()))
             if finished:  # the stop string or stop token id that ended it, JSON (null for length/abort)
-                stop = json.dumps(out.stop_reason if out.finish_reason == "stop" else None).encode()
-                tensors.append(Tensor("stop_reason", "BYTES", [1], np.array([stop], dtype=object)))
-        if flags["return_num_input_tokens"]:
-            tensors.append(Tensor("num_input_tokens", "UINT32", [1], np.array([out.prompt_tokens], np.uint32)))
-        if flags["return_num_output_tokens"]:
-            tensors.append(Tensor("num_output_tokens", "UINT32", [1], np.array([out.completion_tokens], np.uint32)))
-        tensors.append(Tensor("sequence_index", "UINT32", [1], np.array([out.index], np.uint32)))
+                tensors.append(_bytes(llm.STOP_REASON, json.dumps(
+                    out.stop_reason if out.finish_reason == llm.FINISH_STOP else None).encode()))
+        if flags[llm.RETURN_NUM_INPUT_TOKENS]:
+            tensors.append(_uint32(llm.NUM_INPUT_TOKENS, out.prompt_tokens))
+        if flags[llm.RETURN_NUM_OUTPUT_TOKENS]:
+            tensors.append(_uint32(llm.NUM_OUTPUT_TOKENS, out.completion_tokens))
+        tensors.append(_uint32(llm.SEQUENCE_INDEX, out.index))
         if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
             ids = [t for t, _, _ in out.prompt_logprobs]
             doc = self._logprobs_doc(ids, [(lp, top) for _, lp, top in out.prompt_logprobs], [])
-            doc["text"] = self.tokenizer.decode(ids)  # the prompt, for echo
-            tensors.append(Tensor("prompt_logprobs", "BYTES", [1], np.array([json.dumps(doc).encode()], dtype=object)))
-        if flags["return_logprobs"]:
+            doc[llm.PROMPT_TEXT] = self.tokenizer.decode(ids)  # the prompt, for echo
+            tensors.append(_bytes(llm.PROMPT_LOGPROBS, json.dumps(doc).encode()))
+        if flags[llm.RETURN_LOGPROBS]:
             payload = json.dumps(self._logprobs_doc(lp_ids if lps else [], lps or [], context or [])).encode()
-            tensors.append(Tensor("logprobs", "BYTES", [1], np.array([payload], dtype=object)))
+            tensors.append(_bytes(llm.LOGPROBS, payload))
         return tensors
 
     def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]],
@@ -437,8 +411,8 @@ class LLMInstance(ModelInstance):
             best = sorted((top or {}).items(), key=lambda kv: -kv[1])
             return [[alone_text(self.tokenizer, t), v, t] for t, v in best]
 
-        return {"tokens": self._token_texts(ids, context), "ids": list(ids),
-                "logprobs": [None if lp is None else [lp, ranked(top)] for lp, top in entries]}
+        return {llm.LOGPROBS_TOKENS: self._token_texts(ids, context), llm.LOGPROBS_IDS: list(ids),
+                llm.LOGPROBS_ENTRIES: [None if lp is None else [lp, ranked(top)] for lp, top in entries]}
 
     def _token_texts(self, ids: Sequence[int], context: Sequence[int]) -> list[str]:
         """Each token's text in place: decode a short window ending at it and take what it adds to
@@ -500,7 +474,7 @@ class LLMInstance(ModelInstance):
         return "".join(parts)
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len}
+        return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -509,12 +483,12 @@ class LLMInstance(ModelInstance):
 
 
 class LLMBackend(Backend):
-    name = "llm"
+    name = llm.BACKEND_NAME
     default_model_filename = "config.json"
 
     def describe(self, model_path: Path) -> ModelSignature | None:
         """Triton's vLLM-backend tensors (auto-complete): only text_input is required."""
-        return ModelSignature(INPUTS, OUTPUTS, optional_inputs=tuple(n for n, _, _ in INPUTS if n != "text_input"),
+        return ModelSignature(INPUTS, OUTPUTS, optional_inputs=tuple(n for n, _, _ in INPUTS if n != llm.TEXT_INPUT),
                               decoupled=True)
 
     def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:

@@ -1,0 +1,102 @@
+"""The OpenAI frontend's side of the LLM tensor protocol (pier.contract.llm): a call's inference
+request, and the backend's streamed responses read back as per-sequence deltas."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+
+from pier.contract import llm
+from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from pier.data_plane import DataPlane
+
+Delta = dict[str, Any]
+"""One response of one sequence: {index, text, finish_reason, stop_reason, prompt_tokens,
+completion_tokens, logprobs, prompt_logprobs} (the two last: LOGPROBS documents, or None)."""
+
+
+def _bytes_tensor(name: str, text: str) -> Tensor:
+    return Tensor(name, "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))
+
+
+def _bool_tensor(name: str, value: bool) -> Tensor:
+    return Tensor(name, "BOOL", [1], np.array([value]))
+
+
+def inference_request(model: str, prompt: str | list[int] | None, messages: Any, sampling: dict[str, Any],
+            logprobs: bool) -> InferenceRequest:
+    """A streamed request for one prompt (text or token ids) or one chat (`messages`: what the
+    chat_messages input carries), every output it can ask for."""
+    text = prompt if isinstance(prompt, str) else ""
+    inputs = [_bytes_tensor(llm.TEXT_INPUT, text), _bool_tensor(llm.STREAM, True),
+              _bytes_tensor(llm.SAMPLING_PARAMETERS, json.dumps(sampling)),
+              _bool_tensor(llm.EXCLUDE_INPUT_IN_OUTPUT, True), _bool_tensor(llm.RETURN_FINISH_REASON, True),
+              _bool_tensor(llm.RETURN_NUM_INPUT_TOKENS, True), _bool_tensor(llm.RETURN_NUM_OUTPUT_TOKENS, True),
+              _bool_tensor(llm.RETURN_LOGPROBS, logprobs)]
+    if messages is not None:
+        inputs.append(_bytes_tensor(llm.CHAT_MESSAGES, json.dumps(messages)))
+    if isinstance(prompt, list):
+        ids = np.array(prompt, dtype=np.int64)
+        inputs.append(Tensor(llm.INPUT_IDS, "INT64", [len(prompt)], ids))
+    outputs = [llm.TEXT_OUTPUT, llm.FINISH_REASON, llm.NUM_INPUT_TOKENS, llm.NUM_OUTPUT_TOKENS, llm.SEQUENCE_INDEX,
+               llm.STOP_REASON]
+    if logprobs:
+        outputs.append(llm.LOGPROBS)
+    if llm.SAMPLING_PROMPT_LOGPROBS in sampling:
+        outputs.append(llm.PROMPT_LOGPROBS)
+    return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
+
+
+def _first(response: InferenceResponse, name: str) -> Any:
+    for t in response.outputs:
+        if t.name == name:
+            value = t.data.reshape(-1)[0]
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value.item()
+    return None
+
+
+async def response_deltas(plane: DataPlane, request: InferenceRequest, keep_prompt_logprobs: bool = True,
+                          as_ids: bool = False) -> AsyncGenerator[Delta, None]:
+    """The request's responses as deltas; closing it cancels the request. `keep_prompt_logprobs`
+    false keeps only the prompt's text of prompt_logprobs; `as_ids` writes tokens as "token_id:N"."""
+    stream = plane.responses(request)
+    try:
+        async for item in stream:
+            lp = _first(item, llm.LOGPROBS)
+            lp_doc = json.loads(lp) if lp else None
+            prompt_part = _prompt_part(_first(item, llm.PROMPT_LOGPROBS), keep_prompt_logprobs)
+            if as_ids:
+                lp_doc, prompt_part = (_as_ids(d) if d else d for d in (lp_doc, prompt_part))
+            stop = _first(item, llm.STOP_REASON)
+            yield {"index": int(_first(item, llm.SEQUENCE_INDEX) or 0), "text": _first(item, llm.TEXT_OUTPUT) or "",
+                   "finish_reason": _first(item, llm.FINISH_REASON) or None,
+                   "stop_reason": json.loads(stop) if stop else None,
+                   "prompt_tokens": int(_first(item, llm.NUM_INPUT_TOKENS) or 0),
+                   "completion_tokens": int(_first(item, llm.NUM_OUTPUT_TOKENS) or 0),
+                   "logprobs": lp_doc, "prompt_logprobs": prompt_part}
+    finally:
+        await stream.aclose()
+
+
+def _as_ids(doc: dict[str, Any]) -> dict[str, Any]:
+    """return_tokens_as_token_ids: a logprobs doc's tokens and alternatives as "token_id:N" (vLLM's
+    form, for tokens whose text is not a whole character)."""
+    if llm.LOGPROBS_IDS not in doc:  # the prompt's text alone (echo without logprobs)
+        return doc
+    out = {**doc, llm.LOGPROBS_TOKENS: [f"token_id:{t}" for t in doc[llm.LOGPROBS_IDS]]}
+    out[llm.LOGPROBS_ENTRIES] = [None if e is None else [e[0], [[f"token_id:{a[2]}", a[1], a[2]] for a in e[1]]]
+                                 for e in doc[llm.LOGPROBS_ENTRIES]]
+    return out
+
+
+def _prompt_part(payload: Any, keep_logprobs: bool) -> dict[str, Any] | None:
+    """The backend's prompt_logprobs output: {"text", "tokens", "logprobs"}; only the prompt's text
+    when the request did not ask for logprobs (echo of a token-id prompt)."""
+    if not payload:
+        return None
+    doc = json.loads(payload)
+    return doc if keep_logprobs else {llm.PROMPT_TEXT: doc.get(llm.PROMPT_TEXT, "")}

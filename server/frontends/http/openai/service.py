@@ -1,0 +1,120 @@
+"""The handlers: one call of completions or chat, checked, sent to the model as one request per
+prompt, and answered whole or streamed; and the models list and vLLM's server probes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pier import __version__
+from pier.contract import llm
+from pier.contract.errors import PierError
+from pier.data_plane import DataPlane
+from pier.frontends.http.openai.chat import CHAT
+from pier.frontends.http.openai.choices import Deltas, close, merge, whole
+from pier.frontends.http.openai.completions import COMPLETIONS
+from pier.frontends.http.openai.endpoint import Call, Endpoint
+from pier.frontends.http.openai.llm_io import Delta, inference_request, response_deltas
+from pier.frontends.http.openai.protocol import (
+    BadRequest,
+    check_model,
+    check_response_format,
+    error,
+    pier_error,
+    read_body,
+    sampling_parameters,
+)
+from pier.frontends.http.openai.streaming import stream
+
+
+async def _first_deltas(gens: list[Deltas]) -> list[Delta]:
+    """Every prompt's first answer before anything is sent: a bad request is a plain 4xx."""
+    firsts = await asyncio.gather(*(anext(g, None) for g in gens), return_exceptions=True)
+    out: list[Delta] = []
+    for f in firsts:
+        if isinstance(f, BaseException):
+            raise f
+        if f is None:
+            raise BadRequest("the model sent no response", status=500)
+        out.append(f)
+    return out
+
+
+class OpenAIHandlers:
+    def __init__(self, plane: DataPlane, max_json_size: int) -> None:
+        self.plane = plane
+        self.max_json_size = max_json_size
+
+    def _check_context(self, model: str, max_tokens: Any, firsts: list[Delta]) -> None:
+        """As vLLM's OpenAI server: a prompt plus max_tokens past the model's context is a 400
+        (the engine would stop early with "length"). The prompt's token count is known once the
+        backend answered; the request is cancelled with the error."""
+        limit = self.plane.models_with_backend(llm.BACKEND_NAME).get(model, {}).get(llm.INFO_MAX_MODEL_LEN)
+        if not isinstance(max_tokens, int) or not isinstance(limit, int):
+            return
+        for f in firsts:
+            asked = f["prompt_tokens"] + max_tokens
+            if asked > limit:
+                raise BadRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you requested {asked} "
+                    f"tokens ({f['prompt_tokens']} in the messages, {max_tokens} in the completion). Please reduce "
+                    "the length of the messages or completion.")
+
+    async def _run(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        gens: list[Deltas] = []
+        try:
+            doc = await read_body(request, self.max_json_size)
+            model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
+            sampling, logprobs = sampling_parameters(doc, endpoint.chat)
+            check_response_format(doc)
+            plan = endpoint.plan(doc, sampling, logprobs)
+            infers = [inference_request(model, p, plan.messages, sampling, logprobs is not None) for p in plan.prompts]
+            as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
+            gens = [response_deltas(self.plane, infer, logprobs is not None, as_ids) for infer in infers]
+            firsts = await _first_deltas(gens)
+            self._check_context(model, sampling.get(llm.SAMPLING_MAX_TOKENS), firsts)
+        except BadRequest as exc:
+            await close(gens)
+            return error(exc.status, exc.message, exc.param)
+        except PierError as exc:
+            await close(gens)
+            return pier_error(exc)
+        n = int(sampling.get(llm.SAMPLING_N, 1))
+        deltas = merge(list(zip(firsts, gens)), n)
+        first = await anext(deltas)
+        call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), model,
+                    prompt_tokens=sum(f["prompt_tokens"] for f in firsts), choices=n * len(gens), per_prompt=n,
+                    role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))])
+        if doc.get("stream"):
+            options = doc.get("stream_options") or {}
+            usage = bool(isinstance(options, dict) and options.get("include_usage"))
+            return await stream(request, call, deltas, first, usage,
+                                usage and bool(options.get("continuous_usage_stats")))
+        return await whole(call, deltas, first)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._run(request, CHAT)
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
+                 **info} for m, info in self.plane.models_with_backend(llm.BACKEND_NAME).items()]
+        return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    # vLLM's server probes, for health checks written against it
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            ready = self.plane.ready()
+        except PierError:  # exiting
+            ready = False
+        return web.Response(status=200 if ready else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps({"version": __version__}), content_type="application/json")

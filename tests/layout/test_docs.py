@@ -1,0 +1,35 @@
+"""docs/architecture.md names only files and folders that exist; README and docs link only to
+files that exist and never outside the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PATH = re.compile(r"`((?:server|backends|tests|bench|scripts|protos|docs|docker)/[^`\s]*)`")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_architecture_names_only_paths_that_exist() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    paths = PATH.findall(text)
+    assert len(paths) > 40  # the page is a map, not a sketch
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_docs_link_only_to_files_in_the_repository() -> None:
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            resolved = (page.parent / target).resolve()
+            assert resolved.is_relative_to(ROOT), f"{page.name} links outside the repository: {target}"
+            assert resolved.exists(), f"{page.name} links to a missing file: {target}"
+
+
+def test_nothing_a_user_reads_points_outside_the_repository() -> None:
+    pages = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.md"))]
+    offenders = [p.name for p in pages if "../shared" in p.read_text()]
+    assert not offenders
