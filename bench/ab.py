@@ -1,0 +1,530 @@
+"""A/B check of a refactor: the server of an older revision (old) against this checkout's Pier (new),
+on the same machine at the same time, rounds interleaved so that the machine's drift cancels.
+
+    .venv/bin/python -m bench.ab                        # old = a9568b8, 3 rounds, full windows
+    .venv/bin/python -m bench.ab --old REV --rounds 5
+    .venv/bin/python -m bench.ab --quick                # 1 round, short windows: a smoke run
+    .venv/bin/python -m bench.ab --only identity        # or llm; comma-separated
+
+The old revision is checked out with `git worktree add --detach` in a temporary folder and served
+from there as `python -m server serve` (cwd and PYTHONPATH = that folder: before the restructuring
+the code imported `server` / `backends` top-level); the new one is bench.common's Pier command (the
+installed `pier`). Both serve copies of the same model repository on free loopback ports and stay up
+for the whole of their benchmark:
+
+- identity: perf_analyzer on `identity_fp32` (batch 1, INPUT0 [16] FP32) over HTTP and gRPC at
+  concurrency 1 and 8, with bench/identity.py's windows (bench.common.Settings, quick or full);
+- llm: bench/llm_openai_bench.py's OpenAI-API workload (the random ~27 M-parameter Llama of
+  bench/llm_bench.py, greedy, ignore_eos, 32 concurrent streams, usage included): output tokens/s and
+  time to first token p50; 64 requests per round (32 with --quick), round r uses workload seed r
+  on both sides.
+
+Every point is measured once per side per round, in ABBA order (round 1 old then new, round 2 new
+then old, ...). The per-round ratio is new / old; the report gives its median and min-max, each
+side's median throughput and p50 latency, and every round's ratio. Writes
+bench/results/refactor_ab[-quick].{md,json,png}. Servers are stopped and the worktree removed on
+errors, Ctrl-C and SIGTERM too. Exit status 1 when a benchmark could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    LOGS,
+    PERF_ANALYZER_MISSING,
+    RESULTS,
+    ROOT,
+    Server,
+    Servers,
+    Settings,
+    _raise_keyboard_interrupt,
+    _wait_http_ready,
+    free_port,
+    git_describe,
+    loadavg,
+    log,
+    machine,
+    measure,
+    perf_analyzer,
+    pier_command,
+    start_pier,
+)
+from bench.measure import fmt_ms, fmt_rate, perf_analyzer_point
+
+DEFAULT_OLD = "a9568b8"
+BENCHMARKS = ("identity", "llm")
+IDENTITY_MODEL = "identity_fp32"
+IDENTITY_POINTS = [("http", 1), ("http", 8), ("grpc", 1), ("grpc", 8)]
+LLM_STREAMS = 32  # bench/llm_openai_bench.py's stream count
+LLM_REQUESTS, LLM_REQUESTS_QUICK = 64, 32
+LLM_START_TIMEOUT = 300  # model load (+ the kernels' first build on a fresh machine)
+READING_RULE = "ratios are new/old; within the rounds' spread = no change"
+
+
+# ---------------------------------------------------------------------------- results
+
+@dataclass
+class ABPoint:
+    """One measured point: per round, each side's record (None when it could not be measured) with
+    `tput` (throughput) and `p50_ms` (p50 latency; TTFT for the LLM) besides its raw figures."""
+
+    bench: str
+    label: str
+    unit: str
+    latency: str
+    old: list[dict | None] = field(default_factory=list)
+    new: list[dict | None] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # per round: "old→new" or "new→old"
+
+    def _ratios(self, key: str) -> list[float]:
+        return [n[key] / o[key] for o, n in zip(self.old, self.new) if o and n and o.get(key) and n.get(key)]
+
+    def ratios(self) -> list[float]:
+        return self._ratios("tput")
+
+    def latency_ratios(self) -> list[float]:
+        return self._ratios("p50_ms")
+
+    def median(self, side: str, key: str) -> float | None:
+        vals = [r[key] for r in getattr(self, side) if r and r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    def to_dict(self) -> dict:
+        r, lr = self.ratios(), self.latency_ratios()
+        return {"bench": self.bench, "point": self.label, "unit": self.unit, "latency": self.latency,
+                "order": self.order, "old": self.old, "new": self.new,
+                "ratio_rounds": r, "ratio_median": statistics.median(r) if r else None,
+                "latency_ratio_rounds": lr, "latency_ratio_median": statistics.median(lr) if lr else None,
+                "reading": reading(r)}
+
+
+def reading(ratios: list[float]) -> str:
+    if not ratios:
+        return "not measured"
+    if len(ratios) == 1:
+        return "one round: no spread"
+    if min(ratios) <= 1.0 <= max(ratios):
+        return "no change (1.0 within spread)"
+    return "new lower in every round" if max(ratios) < 1.0 else "new higher in every round"
+
+
+def _ratio_cells(ratios: list[float]) -> tuple[str, str]:
+    if not ratios:
+        return "—", "—"
+    med = f"{statistics.median(ratios):.3f}×"
+    return med, (f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else "(1 round)")
+
+
+# ---------------------------------------------------------------------------- the old revision
+
+def _git(*args: str, timeout: float = 120) -> str:
+    proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A detached worktree of `rev` in a temporary folder outside the checkout, removed at the end."""
+    sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    parent = Path(tempfile.mkdtemp(prefix="pier-ab-"))
+    tree = parent / "old"
+    log(f"git worktree add --detach {tree} {rev} ({sha[:12]})")
+    try:
+        _git("worktree", "add", "--detach", str(tree), sha, timeout=300)
+        yield tree
+    finally:
+        log(f"git worktree remove --force {tree}")
+        try:
+            if tree.exists():
+                _git("worktree", "remove", "--force", str(tree))
+        except Exception as exc:  # still remove the folder and the worktree's record
+            log(f"worktree remove failed: {exc}")
+            with contextlib.suppress(Exception):
+                shutil.rmtree(tree, ignore_errors=True)
+                _git("worktree", "prune")
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _old_env(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def check_old_imports(tree: Path) -> None:
+    """The old command must run the worktree's code, not this checkout's (or the installed pier)."""
+    code = "import backends, server; print(server.__file__); print(backends.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=_old_env(tree), capture_output=True,
+                          text=True, timeout=120)
+    files = proc.stdout.split()
+    if proc.returncode != 0 or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree.resolve())
+                                                          for f in files):
+        raise RuntimeError(f"the old revision's `server`/`backends` do not import from {tree}: "
+                           f"{(proc.stdout + proc.stderr).strip()[-800:]}")
+
+
+def start_old(name: str, tree: Path, repo: Path, timeout: float = 120) -> Server:
+    """`python -m server serve` from the old worktree, with start_pier's flags, on free ports."""
+    http, grpc_, metrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo),
+           "--http-port", str(http), "--grpc-port", str(grpc_), "--metrics-port", str(metrics),
+           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1"]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS / f"{name}.log"
+    with open(log_path, "ab") as fh:
+        fh.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} (cwd {tree}) {' '.join(cmd)}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tree,
+                                env=_old_env(tree))
+    server = Server(name, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}", proc=proc, log_path=log_path)
+    try:
+        _wait_http_ready(server, "/v2/health/ready", timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+# ---------------------------------------------------------------------------- runs
+
+@dataclass
+class Run:
+    settings: Settings
+    tree: Path
+    tmp: Path
+    old_name: str
+    new_name: str
+    points: list[ABPoint] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def order(self, rnd: int) -> tuple[str, str]:
+        return ("old", "new") if rnd % 2 == 0 else ("new", "old")  # ABBA: drift cancels over pairs
+
+    def pair(self, servers: Servers, what: str, start_old_fn: Callable[[], Server],
+             start_new_fn: Callable[[], Server]) -> dict[str, Server]:
+        old = servers.add(f"{self.old_name} ({what})", start_old_fn, required=True)
+        new = servers.add(f"{self.new_name} ({what})", start_new_fn, required=True)
+        assert old is not None and new is not None
+        return {"old": old, "new": new}
+
+
+def run_identity(run: Run) -> None:
+    settings = run.settings
+    pa = perf_analyzer()
+    if pa is None:
+        run.notes.append(f"identity skipped: {PERF_ANALYZER_MISSING}")
+        log(run.notes[-1])
+        return
+    repos = {}
+    for side in ("old", "new"):  # a private copy each (same files)
+        repos[side] = run.tmp / f"identity_{side}"
+        shutil.copytree(ROOT / "model_repository" / IDENTITY_MODEL, repos[side] / IDENTITY_MODEL)
+    points = {(proto, c): ABPoint("identity", f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}", "infer/s",
+                                  "p50 ms") for proto, c in IDENTITY_POINTS}
+    run.points += points.values()
+    with Servers() as servers:
+        up = run.pair(servers, "identity", lambda: start_old("ab_old_identity", run.tree, repos["old"]),
+                      lambda: start_pier("ab_new_identity", repos["new"]))
+        for rnd in range(settings.rounds):
+            order = run.order(rnd)
+            for (proto, c), point in points.items():
+                point.order.append("→".join(order))
+                got: dict[str, dict | None] = {}
+                for side in order:
+                    srv = up[side]
+                    label = f"round {rnd + 1}/{settings.rounds} {point.label} {side}"
+                    pt = measure(srv, lambda s=srv, p=proto, c=c, lb=label: perf_analyzer_point(
+                        pa, settings, IDENTITY_MODEL, s.http if p == "http" else s.grpc, p, c,
+                        ["--shape", "INPUT0:16"], lb), label, run.notes)
+                    if pt is None:
+                        got[side] = None
+                        continue
+                    log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms"
+                        f"{'' if pt.stable else ' (unstable)'}")
+                    got[side] = {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
+                point.old.append(got.get("old"))
+                point.new.append(got.get("new"))
+                r = point.ratios()
+                if point.old[-1] and point.new[-1]:
+                    log(f"round {rnd + 1} {point.label}: new/old {r[-1]:.3f}")
+
+
+def run_llm(run: Run) -> None:
+    from bench.llm_bench import CACHE as LLM_CACHE
+    from bench.llm_bench import build_model, workload
+    from bench.llm_openai_bench import MODEL, _drive, _wait_models
+
+    settings = run.settings
+    n = LLM_REQUESTS_QUICK if settings.quick else LLM_REQUESTS
+    log("building / reusing the tiny Llama (bench/llm_bench.py build_model)")
+    folder = build_model(LLM_CACHE / "llama27m")
+    workloads = [workload(n, seed) for seed in range(settings.rounds)]
+    repos = {}
+    for side in ("old", "new"):  # the model folder bench/llm_openai_bench.py's run_pier sets up
+        repos[side] = run.tmp / f"llm_{side}"
+        (repos[side] / MODEL).mkdir(parents=True)
+        os.symlink(folder, repos[side] / MODEL / "1")
+        (repos[side] / MODEL / "config.pbtxt").write_text(
+            'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n')
+    run.info["llm_workload"] = (
+        f"{n} requests per round, {LLM_STREAMS} concurrent streams (openai SDK, stream, include_usage), prompts "
+        f"16-256 token ids, outputs 8-256 tokens, greedy, ignore_eos; round r uses seed r on both sides "
+        f"(seed 0: {sum(o for _, o in workloads[0])} output tokens); kv_cache_memory_bytes 1 GiB")
+
+    def ready(server: Server) -> Server:
+        try:
+            _wait_models(f"http://{server.http}", LLM_START_TIMEOUT, server.proc)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    point = ABPoint("llm", f"LLM OpenAI API, {LLM_STREAMS} streams", "output tok/s", "TTFT p50 ms")
+    run.points.append(point)
+    with Servers() as servers:
+        up = run.pair(
+            servers, "llm",
+            lambda: ready(start_old("ab_old_llm", run.tree, repos["old"], timeout=LLM_START_TIMEOUT)),
+            lambda: ready(start_pier("ab_new_llm", repos["new"], timeout=LLM_START_TIMEOUT)))
+
+        def drive(srv: Server, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+            res = asyncio.run(_drive(f"http://{srv.http}", reqs, LLM_STREAMS))
+            if not res["requests"]:
+                raise RuntimeError(f"{srv.name}: no request finished: {res['errors'][:2]}")
+            return res
+
+        warm = workload(16, seed=10_000)  # not measured: first batches, allocator, kernels
+        for side in ("old", "new"):
+            log(f"llm warm-up {side}: 16 requests")
+            measure(up[side], lambda s=up[side]: drive(s, warm), f"llm warm-up {side}", run.notes)
+        for rnd in range(settings.rounds):
+            order = run.order(rnd)
+            point.order.append("→".join(order))
+            got: dict[str, dict | None] = {}
+            for side in order:
+                srv = up[side]
+                label = f"round {rnd + 1}/{settings.rounds} llm {side}"
+                res = measure(srv, lambda s=srv, r=workloads[rnd]: drive(s, r), label, run.notes)
+                if res is None:
+                    got[side] = None
+                    continue
+                if res["errors"]:
+                    run.notes.append(f"{label}: {len(res['errors'])}+ failed requests, e.g. {res['errors'][0]}")
+                log(f"{label}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_s'] * 1000:.0f} ms, "
+                    f"{res['requests']} requests in {res['wall_s']:.1f} s")
+                got[side] = {"tput": res["tok_s"], "p50_ms": res["ttft_p50_s"] * 1000, **res}
+            point.old.append(got.get("old"))
+            point.new.append(got.get("new"))
+            if got.get("old") and got.get("new"):
+                log(f"round {rnd + 1} llm: new/old {point.ratios()[-1]:.3f}")
+
+
+# ---------------------------------------------------------------------------- report
+
+def _plot(path: Path, title: str, points: list[ABPoint]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no PNG (pip install matplotlib)")
+        return False
+    shown = [p for p in points if p.ratios()]
+    if not shown:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 2.2 * len(shown) + 3), 4.6), squeeze=False)
+    for ax, (getter, ylabel) in zip(axes[0], ((ABPoint.ratios, "throughput new/old (higher = new faster)"),
+                                             (ABPoint.latency_ratios, "p50 latency new/old (lower = new faster)"))):
+        for i, p in enumerate(shown):
+            vals = getter(p)
+            if not vals:
+                continue
+            offsets = [(j - (len(vals) - 1) / 2) * 0.08 for j in range(len(vals))]
+            ax.scatter([i + o for o in offsets], vals, color="tab:blue", zorder=3, s=28,
+                       label="round" if i == 0 else None)
+            med = statistics.median(vals)
+            ax.hlines(med, i - 0.3, i + 0.3, color="tab:red", zorder=4, label="median" if i == 0 else None)
+            ax.annotate(f"{med:.3f}", (i + 0.32, med), fontsize=7, va="center")
+        ax.axhline(1.0, color="black", lw=1, ls="--", zorder=2)
+        ax.set_xticks(range(len(shown)), [p.label.replace("LLM OpenAI API, ", "LLM\n") for p in shown], fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=9)
+        lo = min([0.9, *(v for p in shown for v in getter(p))])
+        hi = max([1.1, *(v for p in shown for v in getter(p))])
+        ax.set_ylim(lo - 0.03, hi + 0.03)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _side_cell(p: ABPoint, side: str, key: str, fmt: Callable[[float | None], str]) -> str:
+    return fmt(p.median(side, key))
+
+
+def _rounds_cell(p: ABPoint) -> str:
+    cells = []
+    for o, n, order in zip(p.old, p.new, p.order):
+        if o and n and o.get("tput"):
+            mark = "" if o.get("stable", True) and n.get("stable", True) else "~"
+            cells.append(f"{n['tput'] / o['tput']:.3f}{mark} ({order})")
+        else:
+            cells.append(f"— ({order})")
+    return " / ".join(cells)
+
+
+def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc: str, durations: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = "refactor_ab" + ("-quick" if run.settings.quick else "")
+    md, png, raw = RESULTS / f"{stem}.md", RESULTS / f"{stem}.png", RESULTS / f"{stem}.json"
+    title = f"Refactor A/B: old {old_rev} vs new {new_desc}"
+    has_png = _plot(png, title, run.points)
+    lines = [f"# {title}", "",
+             f"**Reading rule: {READING_RULE}.** Throughput ratio > 1 = new faster; latency ratio < 1 = new faster.",
+             "",
+             f"- old: `{old_rev}` = commit {old_desc}, served from a `git worktree` as `python -m server serve` "
+             "(cwd and PYTHONPATH = the worktree)",
+             f"- new: {new_desc} (`git describe`: {_describe()}), served as `{' '.join(_pier_cmd())} serve`",
+             f"- machine: {machine()}; load average at start {started['load']}, at end {loadavg()}",
+             f"- date: {started['date']} – {time.strftime('%H:%M:%S')}; {run.settings.describe()}",
+             "- both servers run at once for the whole of their benchmark, on copies of the same model repository; "
+             "each point is measured once per side per round, rounds in ABBA order (old→new, new→old, ...); "
+             "ratio per round = new/old; the table gives their median, min–max and every round "
+             "(`~`: perf_analyzer could not stabilise at the configured threshold in that round)",
+             "- time taken: " + ", ".join(f"{k} {v:.0f} s" for k, v in durations.items()),
+             ""]
+    if "llm_workload" in run.info:
+        lines += [f"- LLM workload (bench/llm_openai_bench.py's): {run.info['llm_workload']}", ""]
+    for bench, title_g in (("identity", "identity_fp32: perf_analyzer, batch 1, INPUT0 [16] FP32 (sync)"),
+                           ("llm", "LLM through the OpenAI API (tiny random Llama, CPU)")):
+        pts = [p for p in run.points if p.bench == bench]
+        if not pts:
+            continue
+        unit, lat = pts[0].unit, pts[0].latency
+        lines += [f"## {title_g}", "",
+                  f"| point | old {unit} | new {unit} | new/old median | new/old min–max | per round | "
+                  f"old {lat} | new {lat} | {lat} new/old median (min–max) | reading |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in pts:
+            med, rng = _ratio_cells(p.ratios())
+            lmed, lrng = _ratio_cells(p.latency_ratios())
+            lat_cell = lmed if lrng in ("—", "(1 round)") else f"{lmed} ({lrng})"
+            lines.append(f"| {p.label} | {_side_cell(p, 'old', 'tput', fmt_rate)} | "
+                         f"{_side_cell(p, 'new', 'tput', fmt_rate)} | {med} | {rng} | {_rounds_cell(p)} | "
+                         f"{_side_cell(p, 'old', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
+                         f"{_side_cell(p, 'new', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
+                         f"{lat_cell} | {reading(p.ratios())} |")
+        lines.append("")
+    if run.notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in run.notes], ""]
+    lines += [f"Run with `python -m bench.ab --old {old_rev} --rounds {run.settings.rounds}"
+              f"{' --quick' if run.settings.quick else ''}`. Server logs: bench/.cache/logs/ab_*.log.", ""]
+    if has_png:
+        lines += [f"![{title}]({png.name})", ""]
+    md.write_text("\n".join(lines))
+    payload = {"title": title, "reading_rule": READING_RULE, "old": {"rev": old_rev, "commit": old_desc},
+               "new": {"git": new_desc, "describe": _describe()}, "machine": machine(), "started": started,
+               "ended": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()},
+               "settings": run.settings.__dict__, "durations_s": durations, "info": run.info,
+               "points": [p.to_dict() for p in run.points], "notes": run.notes}
+    raw.write_text(json.dumps(payload, indent=1))
+    log(f"wrote {md.relative_to(ROOT)}" + (f", {png.name}" if has_png else "") + f", {raw.name}")
+    return md
+
+
+def _describe() -> str:
+    try:
+        return _git("describe", "--always", "--dirty", timeout=10)
+    except Exception:
+        return "?"
+
+
+def _pier_cmd() -> list[str]:
+    return [Path(c).name if i == 0 else c for i, c in enumerate(pier_command())]
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
+    p.add_argument("--old", default=DEFAULT_OLD, help=f"the old revision (default {DEFAULT_OLD})")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 3; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="short perf_analyzer windows, fewer LLM requests, 1 round")
+    p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
+    args = p.parse_args(argv)
+    chosen = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = [b for b in chosen if b not in BENCHMARKS]
+    if unknown or not chosen:
+        p.error(f"unknown benchmark(s) {unknown}; choose from {BENCHMARKS}")
+    settings = Settings.make(args.quick, args.rounds)
+    log(settings.describe())
+    # SIGTERM -> KeyboardInterrupt for the whole run, so the finally blocks stop the servers and
+    # remove the worktree (bench.common.Servers does the same while servers are up).
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    started = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}
+    try:
+        old_sha = _git("rev-parse", "--short", f"{args.old}^{{commit}}")
+        subject = _git("log", "-1", "--format=%s", old_sha)
+        old_desc = f"{old_sha} \"{subject[:70]}{'…' if len(subject) > 70 else ''}\""
+    except Exception as exc:
+        log(str(exc))
+        return 2
+    new_desc = git_describe()
+    failed: list[str] = []
+    durations: dict[str, float] = {}
+    try:
+        with worktree(args.old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
+            check_old_imports(tree)
+            run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}")
+            for name, fn in (("identity", run_identity), ("llm", run_llm)):
+                if name not in chosen:
+                    continue
+                log(f"=== {name} ===")
+                t0 = time.monotonic()
+                try:
+                    fn(run)
+                except Exception as exc:
+                    traceback.print_exc()
+                    failed.append(name)
+                    run.notes.append(f"{name} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                durations[name] = time.monotonic() - t0
+                log(f"=== {name} done in {durations[name]:.0f} s ===")
+        md = write_report(run, started, args.old, old_desc, new_desc, durations)
+    except KeyboardInterrupt:
+        log("interrupted: servers stopped, worktree removed")
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return 1
+    print()
+    print(md.read_text().split("![")[0].rstrip())
+    if failed:
+        log(f"failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
