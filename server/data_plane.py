@@ -11,7 +11,7 @@ from typing import Any
 from pier import __version__
 from pier.classification import class_count, classify
 from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
-from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
+from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, Outputs, RequestedOutput, Tensor
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.source import is_version
@@ -160,15 +160,14 @@ class DataPlane:
             self._idle.set()
 
     @staticmethod
-    def _response(model: LoadedModel, request: InferenceRequest, result: list[Tensor], batch: int,
+    def _response(model: LoadedModel, request: InferenceRequest, result: Outputs, batch: int,
                   parameters: dict[str, Any] | None = None) -> InferenceResponse:
-        outputs = to_api_outputs(model.spec, result, batch)
+        outputs = to_api_outputs(model.spec, result.tensors, batch)
         if request.outputs:
             by_name = {t.name: t for t in outputs}
             outputs = [_as_requested(by_name[o.name], o, model.spec) for o in request.outputs if o.name in by_name]
-        model_params = getattr(result, "parameters", None)  # pier.contract.backend.Outputs: the model's own
-        if model_params:
-            parameters = {**model_params, **(parameters or {})}
+        if result.parameters:  # the model's own
+            parameters = {**result.parameters, **(parameters or {})}
         return InferenceResponse(model.spec.name, model.version_str, outputs, id=request.id,
                                  parameters=parameters or {})
 
@@ -266,7 +265,7 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()
 
-        def sink(result: Any, final: bool) -> None:
+        def sink(result: Outputs | PierError | None, final: bool) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (result, final))
 
         request.response_sink = sink
@@ -289,7 +288,8 @@ class DataPlane:
                 else:
                     params = {"triton_final_response": final}
                     try:
-                        response = self._response(model, request, item if item is not None else [], batch, params)
+                        response = self._response(model, request, item if item is not None else Outputs([]), batch,
+                                                  params)
                     except PierError as exc:  # a classification the output's datatype cannot give
                         yield exc
                         return

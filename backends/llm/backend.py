@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from pier.contract import llm
-from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
 from pier.contract.llm import INPUTS, OUTPUTS
 from pier.contract.prometheus import histogram
-from pier.contract.types import InferenceRequest, ModelSignature, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs, Tensor
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
@@ -220,7 +220,7 @@ class LLMInstance(ModelInstance):
                 results.append(exc)
                 continue
             asyncio.run_coroutine_threadsafe(self._serve(request, *job), self._loop)
-            results.append([])
+            results.append(Outputs([]))
         return results
 
     def _parse(self, request: InferenceRequest) -> tuple[Any, Any, dict[str, bool]]:
@@ -315,8 +315,8 @@ class LLMInstance(ModelInstance):
                     context[out.index] = list((out.prompt_ids or [])[-_CONTEXT_TOKENS:])
                 if stream:
                     if emits:
-                        sink(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
-                                           context.get(out.index)), final)
+                        sink(Outputs(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
+                                                   context.get(out.index))), final)
                     if flags[llm.RETURN_LOGPROBS]:
                         context[out.index] = (context[out.index] + out.token_ids)[-_CONTEXT_TOKENS:]
                 else:
@@ -326,8 +326,8 @@ class LLMInstance(ModelInstance):
                         logprob_ids.setdefault(out.index, []).extend(out.token_ids)
                     if out.finished:
                         whole = prefix + "".join(texts.pop(out.index, []))
-                        sink(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True,
-                                           logprob_ids.pop(out.index, []), context.get(out.index)), final)
+                        sink(Outputs(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True,
+                                                   logprob_ids.pop(out.index, []), context.get(out.index))), final)
                 if final:
                     self._e2e.observe(time.monotonic() - started)
                     if out.finish_reason == llm.FINISH_ABORT:

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, thread_count
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg, unavailable
-from pier.contract.types import InferenceRequest, ModelSignature, ModelSpec, Tensor, TensorSpec
+from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, ModelSpec, Outputs, Tensor, TensorSpec
 
 # ONNX tensor type strings -> KServe datatypes.
 _ORT_TYPES = {
@@ -207,7 +207,7 @@ class OnnxInstance(ModelInstance):
             dt = out_types[name]
             arr = _from_ort(value, dt) if self._bytes_out else np.asarray(value)
             outputs.append(Tensor(name, dt, list(arr.shape), arr))
-        return outputs
+        return Outputs(outputs)
 
     def _run_ortvalues(self, request: InferenceRequest, names: list[str]) -> list[np.ndarray]:
         """Path for models with BF16 tensors: numpy has no bfloat16, so feed OrtValues."""

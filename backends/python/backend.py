@@ -25,17 +25,9 @@ from typing import Any
 
 from pier.backends.python import triton_python_backend_utils as pb_utils
 from pier.backends.python.bls import BlsClient, error_of, to_pb_request, to_pier_tensor
-from pier.contract.backend import (
-    RESCHEDULE,
-    Backend,
-    ExecuteResult,
-    InstanceContext,
-    ModelContext,
-    ModelInstance,
-    Outputs,
-)
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import internal, invalid_arg, unavailable
-from pier.contract.types import InferenceRequest, ModelSignature
+from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _import_lock = threading.Lock()
@@ -128,7 +120,7 @@ class PythonInstance(ModelInstance):
             return internal(f"python model '{self._spec.name}' returned an unusable tensor: {exc}")
         raw = response.parameters()
         if raw in ("", "{}"):
-            return tensors
+            return Outputs(tensors)
         try:
             parameters = json.loads(raw)
         except ValueError:
@@ -157,7 +149,7 @@ class PythonInstance(ModelInstance):
             if responses is not None:
                 return [invalid_arg(f"decoupled python model '{self._spec.name}' must return None from "
                                     "execute() and answer through response senders")] * len(requests)
-            results: list[ExecuteResult] = [[] for _ in requests]
+            results: list[ExecuteResult] = [Outputs([]) for _ in requests]
         elif responses is None and all(r._sender is not None for r in pb_requests):
             results = [self._answer(r) for r in pb_requests]  # answered through response senders
         elif responses is None or len(responses) != len(requests):
@@ -165,10 +157,10 @@ class PythonInstance(ModelInstance):
             return [internal(f"python model '{self._spec.name}' returned {got} responses for "
                              f"{len(requests)} requests")] * len(requests)
         else:  # a rescheduled request's entry (None, as Triton asks) is not a response
-            results = [[] if again else self._to_result(resp) for again, resp in zip(rescheduled, responses)]
+            results = [Outputs([]) if again else self._to_result(resp) for again, resp in zip(rescheduled, responses)]
         for i, again in enumerate(rescheduled):
             if again:
-                results[i] = RESCHEDULE if self._iterative else internal(
+                results[i] = Outputs([], reschedule=True) if self._iterative else internal(
                     f"Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but model "
                     f"'{self._spec.name}' does not use iterative sequence batching (sequence_batching "
                     "{ iterative_sequence: true })")

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance, thread_count
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, thread_count
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
-from pier.contract.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, ModelSpec, Outputs, Tensor
 
 try:
     import torch
@@ -219,7 +219,7 @@ class TorchScriptInstance(ModelInstance):
                     result = self._module(feeds)
                 else:
                     result = self._module(**{self._arg_of[name]: value for name, value in feeds.items()})
-                return self._collect(result, request.output_names() or list(self._outputs))
+                return Outputs(self._collect(result, request.output_names() or list(self._outputs)))
         except PierError as exc:
             return exc
         except Exception as exc:  # the model's own errors (shapes, dtypes, raise in forward())

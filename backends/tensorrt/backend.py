@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from pier.contract.backend import Backend, ExecuteResult, InstanceContext, ModelContext, ModelInstance
+from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
-from pier.contract.types import InferenceRequest, ModelSignature, ModelSpec, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, ModelSpec, Outputs, Tensor
 
 log = logging.getLogger("pier.backends.tensorrt")
 
@@ -201,7 +201,7 @@ class TensorRTInstance(ModelInstance):
     def _run_one(self, request: InferenceRequest) -> ExecuteResult:
         try:
             with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-                return self._enqueue(request)
+                return Outputs(self._enqueue(request))
         except PierError as exc:
             return exc
         except Exception as exc:

@@ -8,7 +8,7 @@ the event loop; one call at a time per instance), and finally `close()`.
 
 Tensors handed to `execute` already have the shapes the framework expects (config `reshape`
 applied, batch dim first when the model batches). `execute` returns, in request order, either
-the output tensors for that request or a `PierError` that fails that request alone.
+the `Outputs` of that request or a `PierError` that fails that request alone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from pier.contract.errors import PierError, invalid_arg
-from pier.contract.types import InferenceRequest, InferenceResponse, ModelSignature, ModelSpec, Tensor
+from pier.contract.types import (
+    ExecuteResult,
+    InferenceRequest,
+    InferenceResponse,
+    ModelSignature,
+    ModelSpec,
+)
 
 BACKEND_API_VERSION = 1
 MAX_THREADS = 1024  # a thread-count parameter past this is a typo, not a machine: refused at load
@@ -90,27 +96,6 @@ class InstanceContext:
     device_id: int | None = None
 
 
-class Reschedule(list):  # type: ignore[type-arg]
-    """The result of a request its model released with Triton's RESCHEDULE flag (python backend's
-    `set_release_flags`): the sequence batcher of a model with `iterative_sequence` runs it again.
-    Backends return the one instance, `RESCHEDULE` (an empty tensor list, so that the schedulers
-    between the backend and that batcher pass it on as an answer without outputs), and only for
-    such models."""
-
-
-RESCHEDULE = Reschedule()
-
-
-class Outputs(list):  # type: ignore[type-arg]
-    """Output tensors that come with response parameters (Triton's InferenceResponse parameters:
-    bool, int or str values), which the response carries to the client."""
-
-    def __init__(self, tensors: list[Tensor], parameters: dict[str, bool | int | str]) -> None:
-        super().__init__(tensors)
-        self.parameters = parameters
-ExecuteResult = list[Tensor] | PierError
-
-
 class ModelInstance(abc.ABC):
     """One loaded copy of a model that executes batches.
 
@@ -118,8 +103,8 @@ class ModelInstance(abc.ABC):
     (see server/scheduling/instance_pool.py); instances that can block on the server (BLS
     calls) must say False. `unbatched`: give `execute` the queued requests as they are, not
     merged into one batch (Triton's python backend receives a list of requests). Decoupled
-    models send their responses through `InferenceRequest.response_sink` and return `[]` for
-    each request (or a PierError that fails it)."""
+    models send their responses through `InferenceRequest.response_sink` (`ResponseSink`) and
+    return `Outputs([])` for each request (or a PierError that fails it)."""
 
     may_run_on_event_loop: ClassVar[bool] = True
     unbatched: ClassVar[bool] = False

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pier.contract.errors import PierError
 from pier.contract.policies import BatchingPolicy, SequencePolicy
 
 ParamValue = Any  # bool | int | float | str
@@ -34,6 +35,34 @@ class RequestedOutput:
     parameters: dict[str, ParamValue] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """One request's answer, or one response of a decoupled model (see `ResponseSink`).
+
+    `tensors`: the output tensors. `parameters`: response parameters (Triton's InferenceResponse
+    parameters: bool, int or str values) that the response carries to the client (the python
+    backend's models set them).
+    `reschedule`: the request was not answered: its model released it with Triton's RESCHEDULE
+    flag (python backend's `set_release_flags`), and the sequence batcher of a model with
+    `iterative_sequence` runs it again (tensors and parameters are then empty). Backends set it
+    only for such models; the schedulers between the backend and that batcher pass the result
+    on unchanged, and nothing else looks at it."""
+
+    tensors: list[Tensor]
+    parameters: Mapping[str, bool | int | str] = field(default_factory=dict)
+    reschedule: bool = False
+
+
+ExecuteResult = Outputs | PierError
+"""What `ModelInstance.execute` returns per request: its outputs, or an error that fails it alone."""
+
+ResponseSink = Callable[[Outputs | PierError | None, bool], None]
+"""`InferenceRequest.response_sink(result, final)`, set by the data plane for decoupled models and
+callable from any thread: each call sends one response (`Outputs`: its tensors and parameters,
+never `reschedule`; `PierError`: an error, in-band) or, with None, no response at all (the final
+flag alone). `final` marks the last call for the request."""
+
+
 @dataclass(slots=True)
 class InferenceRequest:
     """One client request. `model_version` is "" when the client named none."""
@@ -44,9 +73,9 @@ class InferenceRequest:
     outputs: list[RequestedOutput] = field(default_factory=list)
     id: str = ""
     parameters: dict[str, ParamValue] = field(default_factory=dict)
-    # Decoupled models answer through this (from any thread): (outputs or a PierError or None,
-    # final). Set by the data plane for models with a decoupled transaction policy.
-    response_sink: Callable[[Any, bool], None] | None = None
+    # Decoupled models answer through this (from any thread; see pier.contract.backend.ResponseSink).
+    # Set by the data plane for models with a decoupled transaction policy.
+    response_sink: ResponseSink | None = None
     cancelled: bool = False  # the client went away (decoupled streams): models may stop early
     trace: Any = None  # server.tracing.Trace when traced; False when its frontend sampled it out
     shm_regions: tuple[str, ...] = ()  # shared-memory regions its inputs and outputs name

@@ -7,9 +7,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, internal
-from pier.contract.types import InferenceRequest
+from pier.contract.types import ExecuteResult, InferenceRequest
 
 
 @dataclass(slots=True)

@@ -8,9 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pier.contract.backend import ExecuteResult
 from pier.contract.errors import internal
-from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, Outputs, RequestedOutput, Tensor
 from pier.scheduling.ragged import BatchLayout, batch_input_tensors, scatter
 
 CompatKey = tuple[tuple[str, str, tuple[int, ...] | None], ...]
@@ -63,7 +62,9 @@ def merge(requests: Sequence[InferenceRequest], layout: BatchLayout | None = Non
 def split(result: ExecuteResult, sizes: Sequence[int], requests: Sequence[InferenceRequest] = (),
           layout: BatchLayout | None = None) -> list[ExecuteResult]:
     """Per-request results from one batch result: rows [offset, offset + size) of each output;
-    a layout's batch outputs are scattered by their source input's shape in `requests`."""
+    a layout's batch outputs are scattered by their source input's shape in `requests`. A result
+    that needs no splitting (one request, nothing scattered) is passed on as it is; split ones
+    carry only tensors."""
     n = len(sizes)
     if isinstance(result, Exception):
         return [result] * n
@@ -72,7 +73,7 @@ def split(result: ExecuteResult, sizes: Sequence[int], requests: Sequence[Infere
         return [result]
     total = sum(sizes)
     out: list[list[Tensor]] = [[] for _ in sizes]
-    for t in result:
+    for t in result.tensors:
         if t.name in scattered:
             parts = scatter(t, scattered[t.name], requests)
             if not isinstance(parts, list):
@@ -91,4 +92,4 @@ def split(result: ExecuteResult, sizes: Sequence[int], requests: Sequence[Infere
                 offset += size
         for rows, piece in zip(out, parts):
             rows.append(piece)
-    return list(out)
+    return [Outputs(rows) for rows in out]

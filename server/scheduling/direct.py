@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 
-from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, internal
+from pier.contract.types import ExecuteResult
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult

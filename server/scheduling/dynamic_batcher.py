@@ -22,9 +22,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from pier.contract.backend import ExecuteResult, ModelInstance
+from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
 from pier.contract.policies import BatchingPolicy, QueuePolicy
+from pier.contract.types import ExecuteResult
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import CompatKey, compat_key, merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult

@@ -11,11 +11,18 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from pier.contract.backend import ExecuteResult
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
-from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, RequestedOutput, Tensor
+from pier.contract.types import (
+    ExecuteResult,
+    InferenceRequest,
+    InferenceResponse,
+    ModelSpec,
+    Outputs,
+    RequestedOutput,
+    ResponseSink,
+    Tensor,
+)
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.statistics import ModelStatistics
@@ -212,7 +219,7 @@ class EnsembleScheduler(Scheduler):
         missing = [name for name, _ in self._plan.outputs if name not in tensors]
         if missing:
             return invalid_arg(f"ensemble '{self._plan.name}': output '{missing[0]}' was not produced")
-        return [tensors[name] for name, _ in self._plan.outputs]
+        return Outputs([tensors[name] for name, _ in self._plan.outputs])
 
     def _failed(self, step: Step, exc: PierError) -> PierError:
         # Triton's prefix ("in ensemble 'name', <the step's error>"), naming the step as well
@@ -237,11 +244,11 @@ class EnsembleScheduler(Scheduler):
         error = await self._branch(request, {t.name: t for t in request.inputs}, list(self._plan.steps), sink)
         if error is not None:
             return error
-        sink([], True)
-        return []
+        sink(None, True)
+        return Outputs([])
 
     async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], waiting: list[Step],
-                      sink: Any) -> PierError | None:
+                      sink: ResponseSink) -> PierError | None:
         """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
         decoupled step, one branch per response."""
         assert self._stream is not None
@@ -263,7 +270,7 @@ class EnsembleScheduler(Scheduler):
                 what = f"output '{missing[0]}' was not produced" if missing else \
                     f"{waiting[0].label} never received its inputs"
                 return invalid_arg(f"ensemble '{self._plan.name}': {what}")
-            sink([tensors[name] for name, _ in self._plan.outputs], False)
+            sink(Outputs([tensors[name] for name, _ in self._plan.outputs]), False)
             return None
         waiting.remove(fork)
         stream = self._stream(self._step_request(fork, request, tensors))

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pier.contract.backend import ExecuteResult, ModelInstance
-from pier.contract.types import InferenceRequest
+from pier.contract.backend import ModelInstance
+from pier.contract.types import ExecuteResult, InferenceRequest
 from pier.scheduling.base import execute_timed
 
 INLINE_BELOW_NS = 100_000  # executions this short (moving average) may run on the event loop

@@ -29,10 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from pier.contract.backend import RESCHEDULE, ExecuteResult
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.contract.policies import SequencePolicy
-from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, Outputs, RequestedOutput, Tensor
 from pier.datatypes import numpy_dtype
 from pier.scheduling.base import Scheduler, WorkItem
 
@@ -168,8 +167,10 @@ class SequenceBatcher(Scheduler):
             run.parameters = {**request.parameters, "sequence_id": corrid, "sequence_start": start,
                               "sequence_end": False}
             result = await self._inner.enqueue(WorkItem(run, item.batch_size))
-            if result is not RESCHEDULE:
-                return result if isinstance(result, Exception) else self._keep_state(result, seq, request)
+            if isinstance(result, Exception):
+                return result
+            if not result.reschedule:
+                return self._keep_state(result, seq, request)
             if request.cancelled:
                 return PierError(ErrorCode.CANCELLED, f"request to model '{self._model}' was cancelled")
             start = False
@@ -198,10 +199,10 @@ class SequenceBatcher(Scheduler):
                                  if s.output_name not in asked]
         return dataclasses.replace(request, inputs=request.inputs + extra, outputs=outputs)
 
-    def _keep_state(self, result: list[Tensor], seq: _Sequence, request: InferenceRequest) -> ExecuteResult:
+    def _keep_state(self, result: Outputs, seq: _Sequence, request: InferenceRequest) -> ExecuteResult:
         if not self._policy.states:
             return result
-        by_name = {t.name: t for t in result}
+        by_name = {t.name: t for t in result.tensors}
         for s in self._policy.states:
             t = by_name.get(s.output_name)
             if t is None:
@@ -211,7 +212,7 @@ class SequenceBatcher(Scheduler):
         if request.outputs:
             shown = shown & {o.name for o in request.outputs}
         hidden = {s.output_name for s in self._policy.states} - shown
-        return [t for t in result if t.name not in hidden]
+        return Outputs([t for t in result.tensors if t.name not in hidden])
 
     def inflight_count(self) -> int:
         return self._inner.inflight_count() + self._waiting

@@ -78,7 +78,7 @@ def _run(instance, request: InferenceRequest) -> dict[str, np.ndarray]:
     [result] = instance.execute([request])
     if isinstance(result, PierError):
         raise result
-    return {t.name: t.data for t in result}
+    return {t.name: t.data for t in result.tensors}
 
 
 A = np.array([5.0, 7.0], dtype=np.float32)
@@ -148,7 +148,7 @@ def test_datatypes_round_trip(tmp_path, datatype):
     data.flags.writeable = False  # as a frontend hands it over: read-only views of the wire bytes
     [result] = BACKEND.create_instance(model, CPU).execute([_request({"INPUT__0": data}, datatype)])
     assert not isinstance(result, PierError), result
-    [out] = result
+    [out] = result.tensors
     assert out.datatype == datatype and out.shape == [3, 4] and out.data.dtype == numpy_dtype(datatype)
     np.testing.assert_array_equal(out.data, data)
 
@@ -177,7 +177,7 @@ def test_model_error_fails_only_that_request(tmp_path):
     good = _request({"a": A, "b": B})
     results = inst.execute([bad, good])
     assert isinstance(results[0], PierError) and "PyTorch execute failure" in results[0].message
-    np.testing.assert_array_equal(results[1][0].data, A + B)
+    np.testing.assert_array_equal(results[1].tensors[0].data, A + B)
 
 
 def test_more_inputs_than_forward_takes_fails_at_load(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
 from pier.contract.policies import BatchingPolicy, QueuePolicy
-from pier.contract.types import InferenceRequest, Tensor
+from pier.contract.types import InferenceRequest, Outputs, Tensor
 from pier.scheduling.base import WorkItem
 from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.statistics import ModelStatistics
@@ -37,7 +37,7 @@ class Recorder(ModelInstance):
         x = req.inputs[0].data
         self.batches.append(x[:, 0].tolist())
         y = x * 2 + 1
-        return [[Tensor("OUT", "FP32", list(y.shape), y)]]
+        return [Outputs([Tensor("OUT", "FP32", list(y.shape), y)])]
 
 
 def request(value: float, rows: int = 1, width: int = 4, **params) -> WorkItem:
@@ -63,8 +63,8 @@ def test_split_back_under_concurrency():
         results = await asyncio.gather(*(b.enqueue(it) for it in items))
         for it, res in zip(items, results):
             x = it.request.inputs[0].data
-            assert res[0].data.shape == x.shape
-            np.testing.assert_array_equal(res[0].data, x * 2 + 1)
+            assert res.tensors[0].data.shape == x.shape
+            np.testing.assert_array_equal(res.tensors[0].data, x * 2 + 1)
         await b.stop()
         assert stats.inference_count == sum(it.batch_size for it in items)
         assert stats.execution_count < len(items)  # requests really shared batches
@@ -142,7 +142,7 @@ def test_max_batch_size_and_shape_compatibility():
         gate.set()
         results = await asyncio.gather(first, *futs)
         assert inst.batches == [[-1.0], [0.0, 1.0, 2.0, 3.0], [4.0, 5.0], [9.0], [10.0]]
-        assert results[7][0].data.shape == (1, 5)
+        assert results[7].tensors[0].data.shape == (1, 5)
         await b.stop()
     run(main())
 

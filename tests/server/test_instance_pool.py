@@ -8,6 +8,7 @@ import threading
 import time
 
 from pier.contract.backend import ModelInstance
+from pier.contract.types import Outputs
 from pier.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool
 
 
@@ -25,7 +26,7 @@ class ThreadRecorder(ModelInstance):
         if self.seconds:
             time.sleep(self.seconds)
         self.active -= 1
-        return [[] for _ in requests]
+        return [Outputs([]) for _ in requests]
 
 
 def test_tiny_executions_move_inline_and_slow_ones_do_not():

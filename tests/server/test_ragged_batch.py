@@ -14,7 +14,7 @@ import pytest
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
 from pier.contract.policies import BatchingPolicy
-from pier.contract.types import BatchInputSpec, InferenceRequest, RequestedOutput, Tensor
+from pier.contract.types import BatchInputSpec, InferenceRequest, Outputs, RequestedOutput, Tensor
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
 from pier.repository import spec as spec_of
@@ -157,10 +157,10 @@ def test_split_scatters_batch_outputs_by_the_source_shape_and_rows_the_rest():
     sizes = [1, 1, 2]
     doubled = np.arange(1, 10, dtype=np.float32) * 2  # the model's 1-D output over the flat batch
     sums = np.array([[6], [22], [8], [9]], dtype=np.float32)  # one row per batch item
-    result = [Tensor("SUM", "FP32", [4, 1], sums), Tensor("DOUBLED", "FP32", [9], doubled)]
+    result = Outputs([Tensor("SUM", "FP32", [4, 1], sums), Tensor("DOUBLED", "FP32", [9], doubled)])
     parts = split(result, sizes, reqs, LAYOUT)
     assert len(parts) == 3
-    got = [{t.name: t for t in p} for p in parts]  # type: ignore[union-attr]
+    got = [{t.name: t for t in p.tensors} for p in parts]  # type: ignore[union-attr]
     assert [g["DOUBLED"].shape for g in got] == [[1, 3], [1, 4], [2, 1]]
     np.testing.assert_array_equal(got[0]["DOUBLED"].data, [[2, 4, 6]])
     np.testing.assert_array_equal(got[1]["DOUBLED"].data, [[8, 10, 12, 14]])
@@ -170,21 +170,21 @@ def test_split_scatters_batch_outputs_by_the_source_shape_and_rows_the_rest():
 
 def test_scatter_of_a_single_request_reshapes_to_its_input_shape():
     req = ragged_request([1, 2, 3])
-    (part,) = split([Tensor("DOUBLED", "FP32", [3], np.array([2, 4, 6], np.float32))], [1], [req], LAYOUT)
-    assert isinstance(part, list) and part[0].shape == [1, 3]
+    (part,) = split(Outputs([Tensor("DOUBLED", "FP32", [3], np.array([2, 4, 6], np.float32))]), [1], [req], LAYOUT)
+    assert isinstance(part, Outputs) and part.tensors[0].shape == [1, 3]
 
 
 def test_scatter_fails_the_batch_when_the_output_is_too_short():
     reqs = [ragged_request([1, 2, 3]), ragged_request([4, 5])]
-    out = split([Tensor("DOUBLED", "FP32", [4], np.zeros(4, np.float32))], [1, 1], reqs, LAYOUT)
+    out = split(Outputs([Tensor("DOUBLED", "FP32", [4], np.zeros(4, np.float32))]), [1, 1], reqs, LAYOUT)
     assert all(isinstance(r, PierError) and "has 4 elements" in r.message for r in out)
 
 
 def test_fixed_dims_in_the_output_shape_are_kept():
     layout = BatchLayout(frozenset({"INPUT"}), (), (ScatterOutput("PAIRS", "INPUT", (-1, -1, 2)),))
     reqs = [ragged_request([1, 2]), ragged_request([3])]
-    out = split([Tensor("PAIRS", "FP32", [6], np.arange(6, dtype=np.float32))], [1, 1], reqs, layout)
-    assert [p[0].data.tolist() for p in out] == [[[[0, 1], [2, 3]]], [[[4, 5]]]]  # type: ignore[index]
+    out = split(Outputs([Tensor("PAIRS", "FP32", [6], np.arange(6, dtype=np.float32))]), [1, 1], reqs, layout)
+    assert [p.tensors[0].data.tolist() for p in out] == [[[[0, 1], [2, 3]]], [[[4, 5]]]]  # type: ignore[union-attr]
 
 
 # ---- through the dynamic batcher with a toy ragged backend ---------------------------------
@@ -212,7 +212,8 @@ class RaggedSum(ModelInstance):
         starts = np.concatenate([[0], ends[:-1]])
         self.batches.append([int(e - s) for s, e in zip(starts, ends)])
         sums = np.array([[x[s:e].sum()] for s, e in zip(starts, ends)], dtype=np.float32)
-        return [[Tensor("SUM", "FP32", list(sums.shape), sums), Tensor("DOUBLED", "FP32", list(x.shape), x * 2)]]
+        return [Outputs([Tensor("SUM", "FP32", list(sums.shape), sums),
+                         Tensor("DOUBLED", "FP32", list(x.shape), x * 2)])]
 
 
 def run(coro):
@@ -232,7 +233,7 @@ def test_dynamic_batcher_batches_different_lengths_and_answers_each_its_own():
         for it, res in zip(items, results):
             assert not isinstance(res, Exception), res
             x = it.request.inputs[0].data
-            got = {t.name: t.data for t in res}
+            got = {t.name: t.data for t in res.tensors}
             np.testing.assert_array_equal(got["SUM"], [[x.sum()]])
             assert got["DOUBLED"].shape == x.shape
             np.testing.assert_array_equal(got["DOUBLED"], x * 2)
@@ -279,7 +280,7 @@ def test_direct_scheduler_with_a_layout_shapes_a_batch_of_one():
         res = await d.enqueue(WorkItem(ragged_request([1, 2, 3, 4]), 1))
         await d.stop()
         assert not isinstance(res, Exception), res
-        got = {t.name: t.data for t in res}
+        got = {t.name: t.data for t in res.tensors}
         np.testing.assert_array_equal(got["SUM"], [[10]])
         np.testing.assert_array_equal(got["DOUBLED"], [[2, 4, 6, 8]])
     run(main())
