@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeVar
 
 from pier import __version__
 from pier.classification import class_count, classify
@@ -23,6 +23,8 @@ from pier.settings import SERVER_NAME
 from pier.shared_memory import SystemSharedMemory
 from pier.tracing import Trace, Tracer
 from pier.validation import to_api_outputs, validate_request
+
+T = TypeVar("T")
 
 # What this build implements, in Triton's order and spelling.
 EXTENSIONS = ("classification", "sequence", "model_repository", "model_repository(unload_dependents)",
@@ -179,6 +181,26 @@ class DataPlane:
             raise unsupported(f"this end point doesn't support models with decoupled transaction policy: "
                               f"'{request.model_name}' streams (use gRPC ModelStreamInfer or HTTP generate_stream)")
         return await self._infer(model, request)
+
+    async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
+                    model: LoadedModel | None = None, protocol: str = "", received_ns: int = 0) -> T:
+        """One request as a frontend serves it: `infer`, then `encode` (the frontend's wire format,
+        which writes outputs asked for in shared memory). The shared-memory regions the request
+        names are held until its outputs are written; with tracing on, the trace carries the
+        frontend's receive (from `received_ns`; 0: not traced) and send stamps for `protocol`
+        ("HTTP" or "GRPC")."""
+        trace = self.tracer.begin(request, protocol, received_ns) if received_ns and self.tracer.on else None
+        if trace is None and not request.shm_regions:  # the common case, without the bookkeeping
+            return encode(await self.infer(request, model))
+        with self.shared_memory.holding(request.shm_regions):
+            response = await self.infer(request, model)
+            if trace is not None:
+                trace.stamp(f"{protocol}_SEND_START")
+            out = encode(response)
+        if trace is not None:
+            trace.stamp(f"{protocol}_SEND_END")
+            self.tracer.finish(trace)
+        return out
 
     def trace_settings(self, model: str = "", changes: dict[str, Any] | None = None) -> dict[str, Any]:
         """The trace extension: a model's (or the global) settings, after applying `changes`."""

@@ -184,29 +184,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        shm = self.plane.shared_memory
-        if self.plane.tracer.on:
-            return await self._infer_one(request, time.perf_counter_ns(), self._decode(request, context))
-        infer_request = self._decode(request, context)
-        if infer_request.shm_regions:
-            return await self._infer_one(request, 0, infer_request)
-        return codec.encode_response(await self.plane.infer(infer_request), infer_request, shm)
+        received = time.perf_counter_ns() if self.plane.tracer.on else 0
+        return await self._infer_one(request, received, self._decode(request, context))
 
     async def _infer_one(self, request: pb.ModelInferRequest, received: int, infer_request: InferenceRequest,
                          model: LoadedModel | None = None) -> pb.ModelInferResponse:
-        """ModelInfer with what the plain path skips: Triton's gRPC trace timestamps (the request
-        was read before the handler ran) and holding the shared-memory regions it names."""
+        """ModelInfer (and a stream's request to a model that is not decoupled). `received`: when
+        the request was read (before the handler ran), 0 when not traced."""
         shm = self.plane.shared_memory
-        trace = self.plane.tracer.begin(infer_request, "GRPC", received) if received else None
-        with shm.holding(infer_request.shm_regions):
-            response = await self.plane.infer(infer_request, model)
-            if trace is not None:
-                trace.stamp("GRPC_SEND_START")
-            out = codec.encode_response(response, infer_request, shm)
-        if trace is not None:
-            trace.stamp("GRPC_SEND_END")
-            self.plane.tracer.finish(trace)
-        return out
+        return await self.plane.serve(infer_request, lambda answer: codec.encode_response(answer, infer_request, shm),
+                                      model, "GRPC", received)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:

@@ -260,26 +260,20 @@ class HttpHandlers:
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
         forward_headers(self.header_pattern, request.headers.items(), infer_request.parameters)
-        trace = self.plane.tracer.begin(infer_request, "HTTP", received)
-        with self.plane.shared_memory.holding(infer_request.shm_regions):
-            response = await self.plane.infer(infer_request, resolved)
-            if trace is not None:
-                trace.stamp("HTTP_SEND_START")
+        compress = "Accept-Encoding" in request.headers
+
+        def reply(response: InferenceResponse) -> web.Response:  # built here; aiohttp writes it after
             payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
-        if header_len is None:
-            reply = web.Response(body=payload, content_type="application/json")
-        else:
-            reply = web.Response(
-                body=payload,
-                content_type="application/octet-stream",
-                headers={codec.HEADER_LENGTH: str(header_len)},
-            )
-        if len(payload) >= COMPRESS_MIN_BYTES and "Accept-Encoding" in request.headers:
-            reply.enable_compression()  # gzip or deflate, as the client accepts
-        if trace is not None:  # the response is built; aiohttp writes it after this returns
-            trace.stamp("HTTP_SEND_END")
-            self.plane.tracer.finish(trace)
-        return reply
+            if header_len is None:
+                out = web.Response(body=payload, content_type="application/json")
+            else:
+                out = web.Response(body=payload, content_type="application/octet-stream",
+                                   headers={codec.HEADER_LENGTH: str(header_len)})
+            if compress and len(payload) >= COMPRESS_MIN_BYTES:
+                out.enable_compression()  # gzip or deflate, as the client accepts
+            return out
+
+        return await self.plane.serve(infer_request, reply, resolved, "HTTP", received)
 
 
 # Whole-body cap: binary tensor data is not bounded by --http-max-input-size (as in Triton), but
