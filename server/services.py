@@ -29,6 +29,10 @@ class PlaneServices:
         self._loop = loop
         self._loop_thread = threading.get_ident()
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def _check_thread(self) -> None:
         if threading.get_ident() == self._loop_thread:
             raise internal("a blocking model call (BLS exec) cannot run on the server's event loop")

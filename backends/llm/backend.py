@@ -176,15 +176,17 @@ class LLMInstance(ModelInstance):
         overrides: dict[str, Any] = {}
         if where.kind == "KIND_GPU":
             overrides["device"] = f"cuda:{where.device_id or 0}"
+        if ctx.services is None:
+            raise unavailable("the LLM backend runs inside the server (it streams from the server's event loop)")
         try:
             self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)
         except (ValueError, OSError, KeyError) as exc:
             raise unavailable(f"cannot load the LLM in {folder}: {exc}") from None
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"llm-io-{where.name}", daemon=True)
-        self._thread.start()
+        # Responses are built on the server's loop: the engine thread hands each step's outputs
+        # straight to it, and from there they reach the frontend (one thread hop per step).
+        self._loop = ctx.services.event_loop
         self._ttft = _Histogram(_TTFT_BUCKETS)
         self._itl = _Histogram(_ITL_BUCKETS)
         self._e2e = _Histogram(_E2E_BUCKETS)
@@ -477,9 +479,7 @@ class LLMInstance(ModelInstance):
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len}
 
     def close(self) -> None:
-        self.engine.shutdown()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self.engine.shutdown()  # requests still streaming fail with the engine's error
 
 
 class LLMBackend(Backend):

@@ -14,6 +14,7 @@ the `Outputs` of that request or a `PierError` that fails that request alone.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,12 @@ class ServerServices(Protocol):
 
     def model_ready(self, name: str, version: str) -> bool:
         """Whether the model (version) can serve now."""
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The server's event loop, where the data plane runs: a backend with async work of its
+        own (the LLM backend's response streams) runs it there, so that what it sends reaches
+        the frontends without another thread hop."""
 
 
 @dataclass(frozen=True)
