@@ -36,37 +36,20 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    LOGS,
-    PERF_ANALYZER_MISSING,
-    RESULTS,
-    ROOT,
-    Server,
-    Servers,
-    Settings,
-    _raise_keyboard_interrupt,
-    _wait_http_ready,
-    free_port,
-    git_describe,
-    loadavg,
-    log,
-    machine,
-    measure,
-    perf_analyzer,
-    pier_command,
-    start_pier,
-)
+from bench.common import RESULTS, ROOT, Settings, git_describe, loadavg, log, machine, pier_command
 from bench.measure import fmt_ms, fmt_rate, perf_analyzer_point
+from bench.revisions import check_old_imports, describe_head, git, start_old, worktree
+from bench.servers import Server, Servers, _raise_keyboard_interrupt, measure, start_pier
+from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
 
 DEFAULT_OLD = "a9568b8"
 BENCHMARKS = ("identity", "llm")
@@ -130,76 +113,6 @@ def _ratio_cells(ratios: list[float]) -> tuple[str, str]:
         return "—", "—"
     med = f"{statistics.median(ratios):.3f}×"
     return med, (f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else "(1 round)")
-
-
-# ---------------------------------------------------------------------------- the old revision
-
-def _git(*args: str, timeout: float = 120) -> str:
-    proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc.stdout.strip()
-
-
-@contextlib.contextmanager
-def worktree(rev: str) -> Iterator[Path]:
-    """A detached worktree of `rev` in a temporary folder outside the checkout, removed at the end."""
-    sha = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    parent = Path(tempfile.mkdtemp(prefix="pier-ab-"))
-    tree = parent / "old"
-    log(f"git worktree add --detach {tree} {rev} ({sha[:12]})")
-    try:
-        _git("worktree", "add", "--detach", str(tree), sha, timeout=300)
-        yield tree
-    finally:
-        log(f"git worktree remove --force {tree}")
-        try:
-            if tree.exists():
-                _git("worktree", "remove", "--force", str(tree))
-        except Exception as exc:  # still remove the folder and the worktree's record
-            log(f"worktree remove failed: {exc}")
-            with contextlib.suppress(Exception):
-                shutil.rmtree(tree, ignore_errors=True)
-                _git("worktree", "prune")
-        shutil.rmtree(parent, ignore_errors=True)
-
-
-def _old_env(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree)}
-
-
-def check_old_imports(tree: Path) -> None:
-    """The old command must run the worktree's code, not this checkout's (or the installed pier)."""
-    code = "import backends, server; print(server.__file__); print(backends.__file__)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=_old_env(tree), capture_output=True,
-                          text=True, timeout=120)
-    files = proc.stdout.split()
-    if proc.returncode != 0 or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree.resolve())
-                                                          for f in files):
-        raise RuntimeError(f"the old revision's `server`/`backends` do not import from {tree}: "
-                           f"{(proc.stdout + proc.stderr).strip()[-800:]}")
-
-
-def start_old(name: str, tree: Path, repo: Path, timeout: float = 120) -> Server:
-    """`python -m server serve` from the old worktree, with start_pier's flags, on free ports."""
-    http, grpc_, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo),
-           "--http-port", str(http), "--grpc-port", str(grpc_), "--metrics-port", str(metrics),
-           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1"]
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log_path = LOGS / f"{name}.log"
-    with open(log_path, "ab") as fh:
-        fh.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} (cwd {tree}) {' '.join(cmd)}\n".encode())
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tree,
-                                env=_old_env(tree))
-    server = Server(name, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}", proc=proc, log_path=log_path)
-    try:
-        _wait_http_ready(server, "/v2/health/ready", timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
 
 
 # ---------------------------------------------------------------------------- runs
@@ -405,7 +318,7 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
              "",
              f"- old: `{old_rev}` = commit {old_desc}, served from a `git worktree` as `python -m server serve` "
              "(cwd and PYTHONPATH = the worktree)",
-             f"- new: {new_desc} (`git describe`: {_describe()}), served as `{' '.join(_pier_cmd())} serve`",
+             f"- new: {new_desc} (`git describe`: {describe_head()}), served as `{' '.join(_pier_cmd())} serve`",
              f"- machine: {machine()}; load average at start {started['load']}, at end {loadavg()}",
              f"- date: {started['date']} – {time.strftime('%H:%M:%S')}; {run.settings.describe()}",
              "- both servers run at once for the whole of their benchmark, on copies of the same model repository; "
@@ -444,20 +357,13 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
         lines += [f"![{title}]({png.name})", ""]
     md.write_text("\n".join(lines))
     payload = {"title": title, "reading_rule": READING_RULE, "old": {"rev": old_rev, "commit": old_desc},
-               "new": {"git": new_desc, "describe": _describe()}, "machine": machine(), "started": started,
+               "new": {"git": new_desc, "describe": describe_head()}, "machine": machine(), "started": started,
                "ended": {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()},
                "settings": run.settings.__dict__, "durations_s": durations, "info": run.info,
                "points": [p.to_dict() for p in run.points], "notes": run.notes}
     raw.write_text(json.dumps(payload, indent=1))
     log(f"wrote {md.relative_to(ROOT)}" + (f", {png.name}" if has_png else "") + f", {raw.name}")
     return md
-
-
-def _describe() -> str:
-    try:
-        return _git("describe", "--always", "--dirty", timeout=10)
-    except Exception:
-        return "?"
 
 
 def _pier_cmd() -> list[str]:
@@ -480,13 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.make(args.quick, args.rounds)
     log(settings.describe())
     # SIGTERM -> KeyboardInterrupt for the whole run, so the finally blocks stop the servers and
-    # remove the worktree (bench.common.Servers does the same while servers are up).
+    # remove the worktree (bench.servers.Servers does the same while servers are up).
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     started = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}
     try:
-        old_sha = _git("rev-parse", "--short", f"{args.old}^{{commit}}")
-        subject = _git("log", "-1", "--format=%s", old_sha)
+        old_sha = git("rev-parse", "--short", f"{args.old}^{{commit}}")
+        subject = git("log", "-1", "--format=%s", old_sha)
         old_desc = f"{old_sha} \"{subject[:70]}{'…' if len(subject) > 70 else ''}\""
     except Exception as exc:
         log(str(exc))

@@ -9,17 +9,8 @@ import shutil
 from pathlib import Path
 
 from bench import loadgen, report
-from bench.common import (
-    ROOT,
-    Servers,
-    Settings,
-    copy_without_queue_delay,
-    log,
-    measure,
-    start_bare_http,
-    start_pier,
-    temp_dir,
-)
+from bench.common import ROOT, Settings, log, temp_dir
+from bench.servers import Servers, copy_without_queue_delay, measure, start_bare_http, start_pier
 
 PIER, PIER_NO_DELAY, BARE = "Pier", "Pier, no queue delay", "bare aiohttp"
 CONCURRENCY = [1, 16]

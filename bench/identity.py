@@ -10,22 +10,18 @@ import shutil
 from pathlib import Path
 
 from bench import report
-from bench.common import (
-    ROOT,
+from bench.common import ROOT, Settings, log, temp_dir
+from bench.measure import perf_analyzer_point
+from bench.servers import (
     Servers,
-    Settings,
     copy_without_queue_delay,
-    log,
     measure,
-    perf_analyzer_required,
-    reference_tool,
     start_bare_grpc,
     start_bare_http,
     start_pier,
     start_triton,
-    temp_dir,
 )
-from bench.measure import perf_analyzer_point
+from bench.tools import perf_analyzer_required, reference_tool
 
 PIER, TRITON, BARE_HTTP, BARE_GRPC = "Pier", "Triton 2.51", "bare aiohttp", "bare grpc.aio"
 PIER_NO_DELAY = "Pier, no queue delay"

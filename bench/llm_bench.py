@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import reference_missing, reference_tool
+from bench.tools import reference_missing, reference_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

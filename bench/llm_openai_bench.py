@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import python_path
 from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_tools, vllm_unavailable, workload
 
 MODEL = "llama27m"
@@ -133,7 +132,7 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
             [sys.executable, "-m", "pier", "serve", f"--model-repository={repo}", f"--http-port={http}",
              f"--grpc-port={grpc_}", f"--metrics-port={metrics}", "--http-address=127.0.0.1",
              "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"],
-            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": python_path()})
+            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{http}"
         try:
             _wait_models(base, 180, proc)

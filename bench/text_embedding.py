@@ -17,18 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import report
-from bench.common import (
-    ROOT,
-    Server,
-    Servers,
-    Settings,
-    log,
-    measure,
-    perf_analyzer_required,
-    start_pier,
-    temp_dir,
-)
+from bench.common import ROOT, Settings, log, temp_dir
 from bench.measure import Point, perf_analyzer_point, timed_loop
+from bench.servers import Server, Servers, measure, start_pier
+from bench.tools import perf_analyzer_required
 
 MODEL = "text_embedding"
 NOBATCH = "text_embedding_nobatch"

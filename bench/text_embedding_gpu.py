@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench import report
-from bench.common import Servers, Settings, log, start_pier, temp_dir
+from bench.common import Settings, log, temp_dir
 from bench.loadgen import run_grpc
 from bench.measure import timed_loop
+from bench.servers import Servers, start_pier
 from bench.text_embedding import (
     BATCHED,
     LEVELS,

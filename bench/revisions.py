@@ -1,0 +1,77 @@
+"""An older revision of Pier, beside the checkout: a git worktree of it, and its server started
+the way that revision starts (before the package was named `pier`: `python -m server` with the
+worktree on PYTHONPATH). bench/ab.py compares it with the current code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import ROOT, log
+from bench.servers import Server, start_pier
+
+
+def git(*args: str, timeout: float = 120) -> str:
+    proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """A detached worktree of `rev` in a temporary folder outside the checkout, removed at the end."""
+    sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    parent = Path(tempfile.mkdtemp(prefix="pier-ab-"))
+    tree = parent / "old"
+    log(f"git worktree add --detach {tree} {rev} ({sha[:12]})")
+    try:
+        git("worktree", "add", "--detach", str(tree), sha, timeout=300)
+        yield tree
+    finally:
+        log(f"git worktree remove --force {tree}")
+        try:
+            if tree.exists():
+                git("worktree", "remove", "--force", str(tree))
+        except Exception as exc:  # still remove the folder and the worktree's record
+            log(f"worktree remove failed: {exc}")
+            with contextlib.suppress(Exception):
+                shutil.rmtree(tree, ignore_errors=True)
+                git("worktree", "prune")
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _old_env(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def check_old_imports(tree: Path) -> None:
+    """The old command must run the worktree's code, not this checkout's (or the installed pier)."""
+    code = "import backends, server; print(server.__file__); print(backends.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=_old_env(tree), capture_output=True,
+                          text=True, timeout=120)
+    files = proc.stdout.split()
+    if proc.returncode != 0 or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree.resolve())
+                                                          for f in files):
+        raise RuntimeError(f"the old revision's `server`/`backends` do not import from {tree}: "
+                           f"{(proc.stdout + proc.stderr).strip()[-800:]}")
+
+
+def start_old(name: str, tree: Path, repo: Path, timeout: float = 120) -> Server:
+    """`python -m server serve` from the old worktree (the code before the package was `pier`),
+    with start_pier's flags, on free ports."""
+    return start_pier(name, repo, timeout=timeout, command=[sys.executable, "-m", "server"], cwd=tree,
+                      env=_old_env(tree))
+
+
+def describe_head() -> str:
+    try:
+        return git("describe", "--always", "--dirty", timeout=10)
+    except Exception:
+        return "?"
