@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,54 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from pier.backends.llm.metrics import LLMMetrics
 from pier.contract import llm
 from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
 from pier.contract.llm import INPUTS, OUTPUTS
-from pier.contract.prometheus import histogram
 from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs, Tensor
-
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
-
-
-_N_BUCKETS = (1, 2, 5, 10, 20)
-
-
-def _one_two_five(limit: int) -> tuple[float, ...]:
-    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
-    out: list[float] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > limit:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
-
-
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-        self.lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self.lock:
-            i = next((k for k, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-            self.counts[i] += 1
-            self.total += value
-            self.n += 1
-
-    def render(self, name: str, labels: str) -> list[str]:
-        with self.lock:
-            return histogram(name, labels, self.buckets, self.counts, self.total, self.n, bound_text=str, sum_text=str)
 
 
 def _scalar(request: InferenceRequest, name: str) -> Any:
@@ -187,29 +144,7 @@ class LLMInstance(ModelInstance):
         # Responses are built on the server's loop: the engine thread hands each step's outputs
         # straight to it, and from there they reach the frontend (one thread hop per step).
         self._loop = ctx.services.event_loop
-        self._ttft = _Histogram(_TTFT_BUCKETS)
-        self._itl = _Histogram(_ITL_BUCKETS)
-        self._e2e = _Histogram(_E2E_BUCKETS)
-        tokens = _one_two_five(self.engine.max_model_len)
-        # per finished sequence, as vLLM's request-level histograms (name -> (help, histogram))
-        self._per_request = {
-            "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
-                                                _Histogram(_E2E_BUCKETS)),
-            "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
-                                                    _Histogram(_E2E_BUCKETS)),
-            "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
-                                                  _Histogram(_E2E_BUCKETS)),
-            "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
-                                                 _Histogram(_E2E_BUCKETS)),
-            "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
-                                                           _Histogram(_ITL_BUCKETS)),
-            "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", _Histogram(tokens)),
-            "vllm:request_generation_tokens": ("Number of generation tokens processed.", _Histogram(tokens)),
-            "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.", _Histogram(tokens)),
-            "vllm:request_params_n": ("Histogram of the n request parameter.", _Histogram(_N_BUCKETS)),
-        }
-        self._requests_ok = 0
-        self._requests_aborted = 0
+        self.metrics = LLMMetrics(self.engine.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -294,16 +229,16 @@ class LLMInstance(ModelInstance):
                 now = time.monotonic()
                 if out.token_ids:
                     if out.index not in last_token_at:
-                        self._ttft.observe(now - started)
+                        self.metrics.ttft.observe(now - started)
                     else:
                         gap = (now - last_token_at[out.index]) / len(out.token_ids)
                         for _ in out.token_ids:
-                            self._itl.observe(gap)
+                            self.metrics.itl.observe(gap)
                     last_token_at[out.index] = now
                 if out.finished:
                     remaining -= 1
                     if out.finish_reason != llm.FINISH_ABORT:
-                        self._observe_finished(out, sampling)
+                        self.metrics.observe_finished(out, sampling)
                 final = remaining <= 0
                 # prompt logprobs come with a sequence's first output: keep them for its first response
                 if out.prompt_logprobs is not None:
@@ -331,44 +266,20 @@ class LLMInstance(ModelInstance):
                         sink(Outputs(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True,
                                                    logprob_ids.pop(out.index, []), context.get(out.index))), final)
                 if final:
-                    self._e2e.observe(time.monotonic() - started)
+                    self.metrics.e2e.observe(time.monotonic() - started)
                     if out.finish_reason == llm.FINISH_ABORT:
-                        self._requests_aborted += 1
+                        self.metrics.requests_aborted += 1
                     else:
-                        self._requests_ok += 1
+                        self.metrics.requests_ok += 1
                     return
         except asyncio.CancelledError:  # the client went away: closing the generator aborted it
-            self._requests_aborted += 1
+            self.metrics.requests_aborted += 1
         except ValueError as exc:  # the engine refused the prompt (too long, bad ids)
             sink(invalid_arg(str(exc)), True)
         except Exception as exc:
             sink(internal(f"LLM engine error: {type(exc).__name__}: {exc}"), True)
         finally:
             watcher.cancel()
-
-    def _observe_finished(self, out: Any, sampling: Any) -> None:
-        """vLLM's request-level histograms, for a sequence that finished (not aborted); the request's
-        parameters once, with its first sequence."""
-        h = {name: hist for name, (_, hist) in self._per_request.items()}
-        if out.index == 0:
-            h["vllm:request_params_n"].observe(sampling.n)
-            if sampling.max_tokens is not None:
-                h["vllm:request_params_max_tokens"].observe(sampling.max_tokens)
-        h["vllm:request_prompt_tokens"].observe(out.prompt_tokens)
-        h["vllm:request_generation_tokens"].observe(out.completion_tokens)
-        m = out.metrics
-        if m is None or m.first_scheduled_time is None:
-            return
-        end = m.finished_time or m.last_token_time or m.first_scheduled_time
-        h["vllm:request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
-        h["vllm:request_inference_time_seconds"].observe(end - m.first_scheduled_time)
-        if m.first_token_time is not None:
-            h["vllm:request_prefill_time_seconds"].observe(m.first_token_time - m.first_scheduled_time)
-            last = m.last_token_time or m.first_token_time
-            h["vllm:request_decode_time_seconds"].observe(last - m.first_token_time)
-            if out.completion_tokens > 1:
-                h["vllm:request_time_per_output_token_seconds"].observe(
-                    (last - m.first_token_time) / (out.completion_tokens - 1))
 
     @staticmethod
     async def _watch_cancel(request: InferenceRequest, task: asyncio.Task | None) -> None:
@@ -439,41 +350,7 @@ class LLMInstance(ModelInstance):
     # ---- metrics -------------------------------------------------------------------------
 
     def prometheus(self, model: str, version: str) -> str:
-        s = self.engine.stats()
-        labels = f'model_name="{model}"'
-        parts: list[str] = []
-
-        def family(name: str, kind: str, help_text: str, rows: list[str]) -> None:
-            parts.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "".join(rows))
-
-        for name, help_text, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-            ("vllm:num_requests_swapped", "Number of requests swapped to CPU.", s.num_swapped),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-        ):
-            family(name, "gauge", help_text, [f"{name}{{{labels}}} {value}\n"])
-        for name, help_text, value in (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
-        ):
-            family(name, "counter", help_text, [f"{name}_total{{{labels}}} {value}\n"])
-        family("vllm:request_success", "counter", "Count of successfully processed requests.",
-               [f'vllm:request_success_total{{{labels},finished_reason="finished"}} {self._requests_ok}\n',
-                f'vllm:request_success_total{{{labels},finished_reason="abort"}} {self._requests_aborted}\n'])
-        for name, help_text, hist in (
-            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self._ttft),
-            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self._itl),
-            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self._e2e),
-        ):
-            family(name, "histogram", help_text, hist.render(name, labels))
-        for name, (help_text, hist) in self._per_request.items():
-            family(name, "histogram", help_text, hist.render(name, labels))
-        return "".join(parts)
+        return self.metrics.render(self.engine.stats(), model)
 
     def info(self) -> dict[str, Any]:
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len}

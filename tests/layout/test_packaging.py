@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +20,7 @@ def _folder_packages() -> set[str]:
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with the standard library")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert config["package-dir"] == {"pier": "server", "pier.backends": "backends"}
     listed = set(config["packages"])
