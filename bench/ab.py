@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -45,10 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, ROOT, Settings, git_describe, loadavg, log, machine, pier_command
-from bench.measure import fmt_ms, fmt_rate, perf_analyzer_point
+from bench import report
+from bench.common import ROOT, Settings, git_describe, loadavg, log, machine, pier_command, sigterm_as_interrupt
+from bench.measure import alternate, fmt_ms, fmt_rate, perf_analyzer_point
+from bench.report import ratio_cells, ratio_reading
 from bench.revisions import check_old_imports, describe_head, git, start_old, worktree
-from bench.servers import Server, Servers, _raise_keyboard_interrupt, measure, start_pier
+from bench.servers import Server, Servers, measure, ready_or_stopped, start_pier
 from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
 
 DEFAULT_OLD = "a9568b8"
@@ -95,24 +94,7 @@ class ABPoint:
                 "order": self.order, "old": self.old, "new": self.new,
                 "ratio_rounds": r, "ratio_median": statistics.median(r) if r else None,
                 "latency_ratio_rounds": lr, "latency_ratio_median": statistics.median(lr) if lr else None,
-                "reading": reading(r)}
-
-
-def reading(ratios: list[float]) -> str:
-    if not ratios:
-        return "not measured"
-    if len(ratios) == 1:
-        return "one round: no spread"
-    if min(ratios) <= 1.0 <= max(ratios):
-        return "no change (1.0 within spread)"
-    return "new lower in every round" if max(ratios) < 1.0 else "new higher in every round"
-
-
-def _ratio_cells(ratios: list[float]) -> tuple[str, str]:
-    if not ratios:
-        return "—", "—"
-    med = f"{statistics.median(ratios):.3f}×"
-    return med, (f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else "(1 round)")
+                "reading": ratio_reading(r)}
 
 
 # ---------------------------------------------------------------------------- runs
@@ -128,15 +110,27 @@ class Run:
     notes: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
-    def order(self, rnd: int) -> tuple[str, str]:
-        return ("old", "new") if rnd % 2 == 0 else ("new", "old")  # ABBA: drift cancels over pairs
-
     def pair(self, servers: Servers, what: str, start_old_fn: Callable[[], Server],
              start_new_fn: Callable[[], Server]) -> dict[str, Server]:
         old = servers.add(f"{self.old_name} ({what})", start_old_fn, required=True)
         new = servers.add(f"{self.new_name} ({what})", start_new_fn, required=True)
         assert old is not None and new is not None
         return {"old": old, "new": new}
+
+    def measure_round(self, point: ABPoint, rnd: int, up: dict[str, Server], name: str,
+                      one: Callable[[Server, str], dict]) -> None:
+        """`point` once per side in round `rnd` (ABBA order: drift cancels over pairs of rounds);
+        `one(server, label)` measures a side and returns its record (None when it could not)."""
+        order = alternate(("old", "new"), rnd)
+        point.order.append("→".join(order))
+        got: dict[str, dict | None] = {}
+        for side in order:
+            label = f"round {rnd + 1}/{self.settings.rounds} {name} {side}"
+            got[side] = measure(up[side], lambda s=up[side], lb=label: one(s, lb), label, self.notes)
+        point.old.append(got["old"])
+        point.new.append(got["new"])
+        if got["old"] and got["new"]:
+            log(f"round {rnd + 1} {name}: new/old {point.ratios()[-1]:.3f}")
 
 
 def run_identity(run: Run) -> None:
@@ -153,62 +147,39 @@ def run_identity(run: Run) -> None:
     points = {(proto, c): ABPoint("identity", f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}", "infer/s",
                                   "p50 ms") for proto, c in IDENTITY_POINTS}
     run.points += points.values()
+
+    def one(srv: Server, label: str, proto: str, c: int) -> dict:
+        pt = perf_analyzer_point(pa, settings, IDENTITY_MODEL, srv.http if proto == "http" else srv.grpc, proto, c,
+                                 ["--shape", "INPUT0:16"], label)
+        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms{'' if pt.stable else ' (unstable)'}")
+        return {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
+
     with Servers() as servers:
         up = run.pair(servers, "identity", lambda: start_old("ab_old_identity", run.tree, repos["old"]),
                       lambda: start_pier("ab_new_identity", repos["new"]))
         for rnd in range(settings.rounds):
-            order = run.order(rnd)
             for (proto, c), point in points.items():
-                point.order.append("→".join(order))
-                got: dict[str, dict | None] = {}
-                for side in order:
-                    srv = up[side]
-                    label = f"round {rnd + 1}/{settings.rounds} {point.label} {side}"
-                    pt = measure(srv, lambda s=srv, p=proto, c=c, lb=label: perf_analyzer_point(
-                        pa, settings, IDENTITY_MODEL, s.http if p == "http" else s.grpc, p, c,
-                        ["--shape", "INPUT0:16"], lb), label, run.notes)
-                    if pt is None:
-                        got[side] = None
-                        continue
-                    log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms"
-                        f"{'' if pt.stable else ' (unstable)'}")
-                    got[side] = {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
-                point.old.append(got.get("old"))
-                point.new.append(got.get("new"))
-                r = point.ratios()
-                if point.old[-1] and point.new[-1]:
-                    log(f"round {rnd + 1} {point.label}: new/old {r[-1]:.3f}")
+                run.measure_round(point, rnd, up, point.label, lambda s, lb, p=proto, c=c: one(s, lb, p, c))
 
 
 def run_llm(run: Run) -> None:
     from bench.llm_bench import CACHE as LLM_CACHE
     from bench.llm_bench import build_model, workload
-    from bench.llm_openai_bench import MODEL, _drive, _wait_models
+    from bench.llm_openai_bench import _drive, _wait_models, write_repo
 
     settings = run.settings
     n = LLM_REQUESTS_QUICK if settings.quick else LLM_REQUESTS
     log("building / reusing the tiny Llama (bench/llm_bench.py build_model)")
     folder = build_model(LLM_CACHE / "llama27m")
     workloads = [workload(n, seed) for seed in range(settings.rounds)]
-    repos = {}
-    for side in ("old", "new"):  # the model folder bench/llm_openai_bench.py's run_pier sets up
-        repos[side] = run.tmp / f"llm_{side}"
-        (repos[side] / MODEL).mkdir(parents=True)
-        os.symlink(folder, repos[side] / MODEL / "1")
-        (repos[side] / MODEL / "config.pbtxt").write_text(
-            'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n')
+    repos = {side: write_repo(run.tmp / f"llm_{side}", folder) for side in ("old", "new")}  # run_pier's model
     run.info["llm_workload"] = (
         f"{n} requests per round, {LLM_STREAMS} concurrent streams (openai SDK, stream, include_usage), prompts "
         f"16-256 token ids, outputs 8-256 tokens, greedy, ignore_eos; round r uses seed r on both sides "
         f"(seed 0: {sum(o for _, o in workloads[0])} output tokens); kv_cache_memory_bytes 1 GiB")
 
     def ready(server: Server) -> Server:
-        try:
-            _wait_models(f"http://{server.http}", LLM_START_TIMEOUT, server.proc)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return ready_or_stopped(server, lambda: _wait_models(f"http://{server.http}", LLM_START_TIMEOUT, server.proc))
 
     point = ABPoint("llm", f"LLM OpenAI API, {LLM_STREAMS} streams", "output tok/s", "TTFT p50 ms")
     run.points.append(point)
@@ -224,42 +195,27 @@ def run_llm(run: Run) -> None:
                 raise RuntimeError(f"{srv.name}: no request finished: {res['errors'][:2]}")
             return res
 
+        def one(srv: Server, label: str, reqs: list[tuple[list[int], int]]) -> dict:
+            res = drive(srv, reqs)
+            if res["errors"]:
+                run.notes.append(f"{label}: {len(res['errors'])}+ failed requests, e.g. {res['errors'][0]}")
+            log(f"{label}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_s'] * 1000:.0f} ms, "
+                f"{res['requests']} requests in {res['wall_s']:.1f} s")
+            return {"tput": res["tok_s"], "p50_ms": res["ttft_p50_s"] * 1000, **res}
+
         warm = workload(16, seed=10_000)  # not measured: first batches, allocator, kernels
         for side in ("old", "new"):
             log(f"llm warm-up {side}: 16 requests")
             measure(up[side], lambda s=up[side]: drive(s, warm), f"llm warm-up {side}", run.notes)
         for rnd in range(settings.rounds):
-            order = run.order(rnd)
-            point.order.append("→".join(order))
-            got: dict[str, dict | None] = {}
-            for side in order:
-                srv = up[side]
-                label = f"round {rnd + 1}/{settings.rounds} llm {side}"
-                res = measure(srv, lambda s=srv, r=workloads[rnd]: drive(s, r), label, run.notes)
-                if res is None:
-                    got[side] = None
-                    continue
-                if res["errors"]:
-                    run.notes.append(f"{label}: {len(res['errors'])}+ failed requests, e.g. {res['errors'][0]}")
-                log(f"{label}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50_s'] * 1000:.0f} ms, "
-                    f"{res['requests']} requests in {res['wall_s']:.1f} s")
-                got[side] = {"tput": res["tok_s"], "p50_ms": res["ttft_p50_s"] * 1000, **res}
-            point.old.append(got.get("old"))
-            point.new.append(got.get("new"))
-            if got.get("old") and got.get("new"):
-                log(f"round {rnd + 1} llm: new/old {point.ratios()[-1]:.3f}")
+            run.measure_round(point, rnd, up, "llm", lambda s, lb, r=workloads[rnd]: one(s, lb, r))
 
 
 # ---------------------------------------------------------------------------- report
 
 def _plot(path: Path, title: str, points: list[ABPoint]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib not installed: no PNG (pip install matplotlib)")
+    plt = report.pyplot()
+    if plt is None:
         return False
     shown = [p for p in points if p.ratios()]
     if not shown:
@@ -308,9 +264,7 @@ def _rounds_cell(p: ABPoint) -> str:
 
 
 def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc: str, durations: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "refactor_ab" + ("-quick" if run.settings.quick else "")
-    md, png, raw = RESULTS / f"{stem}.md", RESULTS / f"{stem}.png", RESULTS / f"{stem}.json"
+    md, png, raw = report.result_files("refactor_ab", run.settings.quick)
     title = f"Refactor A/B: old {old_rev} vs new {new_desc}"
     has_png = _plot(png, title, run.points)
     lines = [f"# {title}", "",
@@ -340,14 +294,14 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
                   f"old {lat} | new {lat} | {lat} new/old median (min–max) | reading |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for p in pts:
-            med, rng = _ratio_cells(p.ratios())
-            lmed, lrng = _ratio_cells(p.latency_ratios())
+            med, rng = ratio_cells(p.ratios())
+            lmed, lrng = ratio_cells(p.latency_ratios())
             lat_cell = lmed if lrng in ("—", "(1 round)") else f"{lmed} ({lrng})"
             lines.append(f"| {p.label} | {_side_cell(p, 'old', 'tput', fmt_rate)} | "
                          f"{_side_cell(p, 'new', 'tput', fmt_rate)} | {med} | {rng} | {_rounds_cell(p)} | "
                          f"{_side_cell(p, 'old', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
                          f"{_side_cell(p, 'new', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
-                         f"{lat_cell} | {reading(p.ratios())} |")
+                         f"{lat_cell} | {ratio_reading(p.ratios())} |")
         lines.append("")
     if run.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in run.notes], ""]
@@ -362,7 +316,7 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
                "settings": run.settings.__dict__, "durations_s": durations, "info": run.info,
                "points": [p.to_dict() for p in run.points], "notes": run.notes}
     raw.write_text(json.dumps(payload, indent=1))
-    log(f"wrote {md.relative_to(ROOT)}" + (f", {png.name}" if has_png else "") + f", {raw.name}")
+    report.log_written(md, png if has_png else None, raw)
     return md
 
 
@@ -387,11 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     log(settings.describe())
     # SIGTERM -> KeyboardInterrupt for the whole run, so the finally blocks stop the servers and
     # remove the worktree (bench.servers.Servers does the same while servers are up).
-    with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    started = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}
+    with sigterm_as_interrupt():
+        return _run(args.old, settings, chosen)
+
+
+def _run(old: str, settings: Settings, chosen: list[str]) -> int:
+    started = report.started_info()
     try:
-        old_sha = git("rev-parse", "--short", f"{args.old}^{{commit}}")
+        old_sha = git("rev-parse", "--short", f"{old}^{{commit}}")
         subject = git("log", "-1", "--format=%s", old_sha)
         old_desc = f"{old_sha} \"{subject[:70]}{'…' if len(subject) > 70 else ''}\""
     except Exception as exc:
@@ -401,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     durations: dict[str, float] = {}
     try:
-        with worktree(args.old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
+        with worktree(old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
             check_old_imports(tree)
             run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}")
             for name, fn in (("identity", run_identity), ("llm", run_llm)):
@@ -417,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     run.notes.append(f"{name} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
                 durations[name] = time.monotonic() - t0
                 log(f"=== {name} done in {durations[name]:.0f} s ===")
-        md = write_report(run, started, args.old, old_desc, new_desc, durations)
+        md = write_report(run, started, old, old_desc, new_desc, durations)
     except KeyboardInterrupt:
         log("interrupted: servers stopped, worktree removed")
         return 130

@@ -1,13 +1,14 @@
 """Shared pieces of the benchmark harness: paths, run settings, logging, the Pier command, and
-facts about the run (machine, revision, load). Tools live in bench/tools.py (where the reference
-tools are, installing them when missing), servers in bench/servers.py."""
-
+facts about the run (machine, revision, load), and small run helpers (a temporary folder under
+bench/.cache, SIGTERM as KeyboardInterrupt). Tools live in bench/tools.py (where the reference tools
+are, installing them when missing), servers in bench/servers.py, older revisions in bench/revisions.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -57,9 +58,11 @@ class Settings:
                 f"{self.loadgen_s:g} s per point after {self.warmup_s:g} s warm-up")
 
 
-# ---------------------------------------------------------------------------- tools
+# ---------------------------------------------------------------------------- run helpers
 
 def pier_command() -> list[str]:
+    """The command that starts Pier ($PIER split on spaces, else `pier` next to this Python, else
+    `python -m pier`); `serve ...` follows."""
     if os.environ.get("PIER"):
         return os.environ["PIER"].split()
     exe = Path(sys.executable).parent / "pier"
@@ -108,3 +111,23 @@ def temp_dir(prefix: str) -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block, so `finally` blocks and ExitStacks still stop
+    the servers and remove temporary folders; the previous handler is back afterwards. Outside the
+    main thread (where no handler can be set) it does nothing."""
+    old = None
+    with contextlib.suppress(ValueError):
+        old = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        yield
+    finally:
+        if old is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, old)

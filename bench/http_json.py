@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench import loadgen, report
 from bench.common import ROOT, Settings, log, temp_dir
+from bench.measure import alternate
 from bench.servers import Servers, copy_without_queue_delay, measure, start_bare_http, start_pier
 
 PIER, PIER_NO_DELAY, BARE = "Pier", "Pier, no queue delay", "bare aiohttp"
@@ -45,9 +46,8 @@ def run(settings: Settings) -> Path:
         notes += servers.left_out_notes()
         names = [n for n in (PIER, PIER_NO_DELAY, BARE) if up[n] is not None]
         for rnd in range(settings.rounds):
-            order = names if rnd % 2 == 0 else names[::-1]
             for c in CONCURRENCY:
-                for name in order:
+                for name in alternate(names, rnd):
                     srv = up[name]
                     pt = measure(srv, lambda s=srv, c=c: loadgen.run(
                         f"http://{s.http}/v2/models/{MODEL}/infer", body, c, settings.loadgen_s, settings.warmup_s,

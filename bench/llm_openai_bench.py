@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import free_port
 from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_tools, vllm_unavailable, workload
 
 MODEL = "llama27m"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_models(base: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -119,14 +113,19 @@ def _drive_rounds(base: str, workloads: Workloads, streams: int) -> dict[str, An
     return median
 
 
+def write_repo(repo: Path, folder: Path) -> Path:
+    """A model repository `repo` that serves the model `folder` as MODEL (backend "llm", 1 GiB of KV cache)."""
+    (repo / MODEL).mkdir(parents=True)
+    os.symlink(folder, repo / MODEL / "1")
+    (repo / MODEL / "config.pbtxt").write_text(
+        'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n')
+    return repo
+
+
 def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "repo"
-        (repo / MODEL).mkdir(parents=True)
-        os.symlink(folder, repo / MODEL / "1")
-        (repo / MODEL / "config.pbtxt").write_text(
-            'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n')
-        http, grpc_, metrics = _free_port(), _free_port(), _free_port()
+        repo = write_repo(Path(tmp) / "repo", folder)
+        http, grpc_, metrics = free_port(), free_port(), free_port()
         log_file = open(Path(tmp) / "pier.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "pier", "serve", f"--model-repository={repo}", f"--http-port={http}",
@@ -148,7 +147,7 @@ def run_vllm(folder: Path, workloads: Workloads, streams: int, vllm_dir: Path) -
         return why
     tools = vllm_tools()
     assert tools is not None
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["WAIT_S"] = "600"
     # serve.sh starts the server in the background and returns once /v1/models answers.

@@ -1,4 +1,5 @@
-"""Measurements: one perf_analyzer run per point, direct onnxruntime calls, and the result record.
+"""Measurements: one perf_analyzer run per point, direct onnxruntime calls, the result record, and
+the order of the measured rows within a round.
 
 Every measurement is bounded: perf_analyzer runs under a timeout derived from its window and trial
 count; loops of our own stop after a fixed time and a fixed number of calls.
@@ -11,12 +12,16 @@ import re
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from bench.common import CACHE, Settings, log
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,6 +42,12 @@ class Point:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def alternate(items: Sequence[T], rnd: int) -> list[T]:
+    """The order in which round `rnd` (from 0) measures `items`: as given in even rounds, reversed in
+    odd ones (ABBA for two), so that the machine's drift over a pair of rounds weighs on each alike."""
+    return list(items) if rnd % 2 == 0 else list(items)[::-1]
 
 
 def median_point(points: list[Point]) -> Point | None:

@@ -1,4 +1,5 @@
-"""Markdown table + PNG plot + raw JSON for one benchmark run, written to bench/results/."""
+"""Markdown table + PNG plot + raw JSON for one benchmark run, written to bench/results/; the pieces
+other reports share (the result files, matplotlib, per-round ratio summaries)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import RESULTS, git_describe, loadavg, log, machine
+from bench.common import RESULTS, ROOT, git_describe, loadavg, log, machine
 from bench.measure import Point, fmt_ms, fmt_rate, median_point
 
 
@@ -100,7 +101,28 @@ def _table(g: Group) -> list[str]:
     return lines
 
 
-def _plot(path: Path, title: str, groups: list[Group]) -> bool:
+def ratio_cells(ratios: list[float]) -> tuple[str, str]:
+    """Per-round ratios as two table cells: the median ("1.023×") and the min–max ("0.981–1.047";
+    "(1 round)"; "—" for both when there is none)."""
+    if not ratios:
+        return "—", "—"
+    med = f"{statistics.median(ratios):.3f}×"
+    return med, (f"{min(ratios):.3f}–{max(ratios):.3f}" if len(ratios) > 1 else "(1 round)")
+
+
+def ratio_reading(ratios: list[float], subject: str = "new") -> str:
+    """What per-round ratios `subject`/other say: a change only when 1.0 is outside their spread."""
+    if not ratios:
+        return "not measured"
+    if len(ratios) == 1:
+        return "one round: no spread"
+    if min(ratios) <= 1.0 <= max(ratios):
+        return "no change (1.0 within spread)"
+    return f"{subject} lower in every round" if max(ratios) < 1.0 else f"{subject} higher in every round"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said in the log) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -108,6 +130,25 @@ def _plot(path: Path, title: str, groups: list[Group]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log("matplotlib not installed: no PNG (pip install matplotlib)")
+        return None
+    return plt
+
+
+def result_files(name: str, quick: bool) -> tuple[Path, Path, Path]:
+    """bench/results/<name>[-quick].md, .png and .json (the folder is created)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = name + ("-quick" if quick else "")
+    return RESULTS / f"{stem}.md", RESULTS / f"{stem}.png", RESULTS / f"{stem}.json"
+
+
+def log_written(md: Path, png: Path | None, raw: Path) -> None:
+    """The log line for a written report (`png`: None when no plot was written)."""
+    log(f"wrote {md.relative_to(ROOT)}" + (f", {png.name}" if png else "") + f", {raw.name}")
+
+
+def _plot(path: Path, title: str, groups: list[Group]) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     n = len(groups)
     fig, axes = plt.subplots(2, n, figsize=(max(6.5, 5.5 * n), 7.5), squeeze=False)
@@ -149,9 +190,7 @@ def _plot(path: Path, title: str, groups: list[Group]) -> bool:
 
 def write(name: str, title: str, settings, groups: list[Group], targets: list[Target], intro: list[str],
           notes: list[str], started: dict, extra_raw: dict | None = None) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = name + ("-quick" if settings.quick else "")
-    md, png, raw = RESULTS / f"{stem}.md", RESULTS / f"{stem}.png", RESULTS / f"{stem}.json"
+    md, png, raw = result_files(name, settings.quick)
     has_png = _plot(png, title, groups)
     lines = [f"# {title}", ""]
     lines += intro + [""]
@@ -194,7 +233,7 @@ def write(name: str, title: str, settings, groups: list[Group], targets: list[Ta
         "notes": notes, **(extra_raw or {}),
     }
     raw.write_text(json.dumps(payload, indent=1))
-    log(f"wrote {md.relative_to(RESULTS.parent.parent)}" + (f", {png.name}" if has_png else "") + f", {raw.name}")
+    log_written(md, png if has_png else None, raw)
     return md
 
 

@@ -1,6 +1,7 @@
-"""Servers under test: Pier, the reference Triton and the bare Python servers, started on free
-loopback ports and stopped by the harness; restarts and measurement failures become report notes."""
-
+"""Servers under test: Server (one process, its ports and log), the readiness waits, start_pier
+(also for another build of Pier: bench/revisions.py), the reference Triton and the bare Python
+servers, all on free loopback ports; Servers stops them whatever happens, and measure() restarts a
+server that died under a measurement (MAX_RESTARTS) and turns failures into report notes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import requests
 
-from bench.common import CACHE, LOGS, ROOT, free_port, log, pier_command
+from bench.common import CACHE, LOGS, ROOT, free_port, log, pier_command, sigterm_as_interrupt
 from bench.tools import ToolMissing, python_limit_dir, reference_missing, reference_tool, triton_dir
 
 
@@ -87,35 +88,43 @@ class Server:
         return ""
 
 
-def _wait_http_ready(server: Server, path: str, timeout: float) -> None:
+def _wait(server: Server, probe: Callable[[], bool], errors: type[Exception], timeout: float) -> None:
+    """Poll `probe()` (its `errors` count as not ready) until it is true; raise when the server exits
+    or `timeout` passes."""
     deadline = time.monotonic() + timeout
-    url = f"http://{server.http}{path}"
     while time.monotonic() < deadline:
         if not server.alive():
             raise RuntimeError(f"{server.name} exited (rc {server.proc.returncode}):\n{server.log_tail()}")
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(url, timeout=2).status_code == 200:
+        with contextlib.suppress(errors):
+            if probe():
                 return
         time.sleep(0.2)
     raise RuntimeError(f"{server.name} not ready after {timeout:.0f} s:\n{server.log_tail()}")
 
 
-def _wait_grpc_ready(server: Server, timeout: float) -> None:
+def wait_http_ready(server: Server, timeout: float, path: str = "/v2/health/ready") -> None:
+    url = f"http://{server.http}{path}"
+    _wait(server, lambda: requests.get(url, timeout=2).status_code == 200, requests.RequestException, timeout)
+
+
+def wait_grpc_ready(server: Server, timeout: float) -> None:
     import tritonclient.grpc as grpcclient
 
-    deadline = time.monotonic() + timeout
     client = grpcclient.InferenceServerClient(server.grpc)
     try:
-        while time.monotonic() < deadline:
-            if not server.alive():
-                raise RuntimeError(f"{server.name} exited (rc {server.proc.returncode}):\n{server.log_tail()}")
-            with contextlib.suppress(Exception):
-                if client.is_server_ready(client_timeout=2):
-                    return
-            time.sleep(0.2)
+        _wait(server, lambda: client.is_server_ready(client_timeout=2), Exception, timeout)
     finally:
         client.close()
-    raise RuntimeError(f"{server.name} not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def ready_or_stopped(server: Server, wait: Callable[[], object]) -> Server:
+    """`server` once `wait()` returns; stopped (and the error raised on) when it fails or is interrupted."""
+    try:
+        wait()
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def _popen(cmd: list[str], log_name: str, env: dict | None = None,
@@ -130,8 +139,6 @@ def _popen(cmd: list[str], log_name: str, env: dict | None = None,
     return proc, log_path
 
 
-
-
 def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120, command: list[str] | None = None,
                cwd: Path = ROOT, env: dict | None = None) -> Server:
     """Pier serving `repo` on free loopback ports; `command` (default pier_command()), `cwd` and
@@ -142,12 +149,7 @@ def start_pier(name: str, repo: Path, *extra: str, timeout: float = 120, command
            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1", *extra]
     proc, log_path = _popen(cmd, name.replace(" ", "_"), env, cwd)
     server = Server(name, http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc_}", proc=proc, log_path=log_path)
-    try:
-        _wait_http_ready(server, "/v2/health/ready", timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ready_or_stopped(server, lambda: wait_http_ready(server, timeout))
 
 
 def copy_without_queue_delay(src: Path, dest: Path) -> Path:
@@ -172,17 +174,9 @@ def _start_bare(script: str, name: str, protocol: str, timeout: float) -> Server
         raise ToolMissing(reference_missing("python-limit", name))
     port = free_port()
     proc, log_path = _popen([sys.executable, str(d / script), str(port), "--uvloop"], script.removesuffix(".py"))
-    address = {protocol: f"127.0.0.1:{port}"}
-    server = Server(name, proc=proc, log_path=log_path, **address)
-    try:
-        if protocol == "http":
-            _wait_http_ready(server, "/v2/health/ready", timeout)
-        else:
-            _wait_grpc_ready(server, timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    server = Server(name, proc=proc, log_path=log_path, **{protocol: f"127.0.0.1:{port}"})
+    wait = wait_http_ready if protocol == "http" else wait_grpc_ready
+    return ready_or_stopped(server, lambda: wait(server, timeout))
 
 
 def start_bare_http(timeout: float = 30) -> Server:
@@ -241,12 +235,8 @@ def start_triton(repo: Path, timeout: float = 180) -> Server:
                     log_path=run_dir / "server.log", stop_fn=stop)
     with contextlib.suppress(OSError, ValueError):
         server.pid = int((run_dir / "server.pid").read_text().strip())
-    try:  # start.sh waits for live; the model must be ready too
-        _wait_http_ready(server, "/v2/health/ready", timeout)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    # start.sh waits for live; the model must be ready too
+    return ready_or_stopped(server, lambda: wait_http_ready(server, timeout))
 
 
 class Servers(contextlib.ExitStack):
@@ -256,22 +246,12 @@ class Servers(contextlib.ExitStack):
         super().__init__()
         self.missing: dict[str, str] = {}  # label -> why it is left out (first line)
         self.skipped: dict[str, str] = {}  # label -> the note for a row whose reference tool is not there
-        self._old_term = None
 
     def __enter__(self) -> Servers:
         super().__enter__()
-        # Turn SIGTERM into an exception so `finally`/ExitStack still stop the servers.
-        with contextlib.suppress(ValueError):
-            self._old_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        # SIGTERM becomes an exception so that the servers are still stopped; undone last, after them.
+        self.enter_context(sigterm_as_interrupt())
         return self
-
-    def __exit__(self, *exc) -> bool:
-        try:
-            return super().__exit__(*exc)
-        finally:
-            if self._old_term is not None:
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGTERM, self._old_term)
 
     def left_out_notes(self) -> list[str]:
         """One report note per server that could not be started (skipped reference rows included)."""
@@ -341,9 +321,3 @@ def _stop_logged(server: Server) -> None:
         server.stop()
     except Exception as exc:  # keep stopping the others
         log(f"stopping {server.name} failed: {exc}")
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-

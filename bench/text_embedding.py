@@ -18,7 +18,7 @@ import numpy as np
 
 from bench import report
 from bench.common import ROOT, Settings, log, temp_dir
-from bench.measure import Point, perf_analyzer_point, timed_loop
+from bench.measure import Point, alternate, perf_analyzer_point, timed_loop
 from bench.servers import Server, Servers, measure, start_pier
 from bench.tools import perf_analyzer_required
 
@@ -93,10 +93,7 @@ def measure_both(group: report.Group, pier: Server, rnd: int, level: int, notes:
                  point: Callable[[str, int, str], Point]) -> None:
     """One point each for the batched and the unbatched model at concurrency `level` (their order
     alternates by round); `point(model, concurrency, label)` measures."""
-    order = [(BATCHED, MODEL), (UNBATCHED, NOBATCH)]
-    if rnd % 2:
-        order.reverse()
-    for name, model in order:
+    for name, model in alternate([(BATCHED, MODEL), (UNBATCHED, NOBATCH)], rnd):
         label = f"round {rnd + 1} c={level} {name}"
         pt = measure(pier, lambda m=model, lb=label: point(m, level, lb), label, notes)
         if pt is None:
