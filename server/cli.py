@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pier import __version__
@@ -13,16 +14,31 @@ from pier.settings import SERVER_NAME, GrpcSsl, Settings
 
 
 def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
+    """A bool option's value as tritonserver 2.51 reads it (probed): true/on/1 or false/off/0 in
+    any case; anything else (yes, "true" with its quotes) is refused with its message."""
+    v = value.lower()
+    if v in ("1", "true", "on"):
         return True
-    if v in ("0", "false", "no", "off"):
+    if v in ("0", "false", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+    raise argparse.ArgumentTypeError(f"invalid value for bool option: {value} (expected true/false, on/off or 1/0)")
+
+
+def _enum(flag: str, values: tuple[str, ...], case_sensitive: bool = False) -> Callable[[str], str]:
+    """An enumerated option's value: tritonserver compares --model-control-mode in any case and
+    --log-format exactly (probed); a bad value gets its message and the values allowed."""
+    def parse(value: str) -> str:
+        for v in values:
+            if value == v or (not case_sensitive and value.lower() == v.lower()):
+                return v
+        raise argparse.ArgumentTypeError(f"invalid argument for {flag}: '{value}' (one of {', '.join(values)})")
+    return parse
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="serve model repositories over HTTP and gRPC", allow_abbrev=False)
+    # As tritonserver's getopt: a unique prefix of a long option is that option (--log-warn), an
+    # ambiguous one is refused naming the candidates.
+    p = sub.add_parser("serve", help="serve model repositories over HTTP and gRPC", allow_abbrev=True)
     flag = p.add_argument
     flag("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
          help="model repository folder (repeatable)")
@@ -37,14 +53,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--strict-model-config", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
          help="deprecated spelling of --disable-auto-complete-config")
     flag("--disable-auto-complete-config", action="store_true")
-    flag("--model-control-mode", choices=("none", "explicit", "poll"), default="none")
+    flag("--model-control-mode", type=_enum("--model-control-mode", ("none", "explicit", "poll")), default="none",
+         metavar="{none,explicit,poll}")
     flag("--load-model", action="append", default=[], metavar="NAME",
          help="model to load at startup in explicit mode ('*' = all)")
     flag("--exit-timeout-secs", type=float, default=30.0)
     flag("--log-verbose", type=int, default=0)
     for name in ("log-info", "log-warning", "log-error"):
         flag(f"--{name}", type=_bool, nargs="?", const=True, default=True, metavar="BOOL")
-    flag("--log-format", choices=("default", "ISO8601"), default="default")
+    flag("--log-format", type=_enum("--log-format", ("default", "ISO8601"), case_sensitive=True), default="default",
+         metavar="{default,ISO8601}")
     flag("--log-file", default="", help="write the log to this file instead of stderr")
     flag("--trace-config", action="append", default=[], metavar="[triton,]KEY=VALUE",
          help="request tracing: file=, log-frequency=, rate=, count=, level=OFF|TIMESTAMPS|TENSORS (repeatable)")
