@@ -81,7 +81,13 @@ HTTP_CASES = [
     ("wrong shape", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(1, 15)), _inp("INPUT1")), {}, 400, "unexpected shape for input 'INPUT0'"),
     ("wrong element count", "POST", "/v2/models/simple/infer",
-     _body(_inp("INPUT0", data=list(range(15))), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+     _body(_inp("INPUT0", data=list(range(15))), _inp("INPUT1")), {}, 400,
+     "Unable to parse 'data': Shape does not match true shape of 'data' field (input 'INPUT0': shape [1, 16] "
+     "needs 16 elements, got 15)"),
+    ("ragged data", "POST", "/v2/models/simple/infer",
+     _body(_inp("INPUT0", data=[list(range(8)), list(range(7))]), _inp("INPUT1")), {}, 400,
+     "Unable to parse 'data': Shape does not match true shape of 'data' field (input 'INPUT0': arrays must be "
+     "regular"),
     ("string data for INT32", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", data=["a"] * 16), _inp("INPUT1")), {}, 400, "expected INT32 values"),
     ("data nested past 64 levels", "POST", "/v2/models/simple/infer",
@@ -97,7 +103,7 @@ HTTP_CASES = [
     ("negative dim", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(-1, 16), data=[]), _inp("INPUT1")), {}, 400, "negative dimension"),
     ("absurd shape", "POST", "/v2/models/simple/infer",
-     _body(_inp("INPUT0", shape=(1, 10**15), data=[1]), _inp("INPUT1")), {}, 400, "unexpected number of elements"),
+     _body(_inp("INPUT0", shape=(1, 10**15), data=[1]), _inp("INPUT1")), {}, 400, "Shape does not match true shape"),
     ("batch of zero", "POST", "/v2/models/simple/infer",
      _body(_inp("INPUT0", shape=(0, 16), data=[]), _inp("INPUT1")), {}, 400, "batch-size must be >= 1"),
     ("more than 64 dims", "POST", "/v2/models/simple/infer",
