@@ -178,9 +178,13 @@ def _batch_sources(spec: ModelSpec) -> list[str]:
 
 
 def _raise_count(spec: ModelSpec, request: InferenceRequest, required: list[str], given: list[str]) -> None:
+    """Triton's wording: 'expected N inputs', or with optional inputs 'expected number of inputs
+    between R and N'."""
     missing = [n for n in required if n not in given]
+    total = len(spec.inputs)
+    expected = f"{total} inputs" if len(required) == total else f"number of inputs between {len(required)} and {total}"
     raise invalid_arg(
-        f"{request_prefix(request)}expected {len(required)} inputs but got {len(given)} inputs for model "
+        f"{request_prefix(request)}expected {expected} but got {len(given)} inputs for model "
         f"'{spec.name}'. Got input(s) {_names(given)}, but missing required input(s) {_names(missing)}. "
         "Please provide all required input(s)."
     )

@@ -216,3 +216,19 @@ def test_forwarded_headers_never_set_what_the_server_interprets():
                ("mine", "header"), ("my_header", "v"), ("other", "w")]
     forward_headers(re.compile("priority|timeout|sequence|triton|mine|my_"), headers, params)
     assert params == {"mine": 1, "my_header": "v"}
+
+
+def test_the_input_count_message_with_optional_inputs_is_tritons():
+    """Triton 2.51's wording when a model has optional inputs (qa/L0_optional_input compares it)."""
+    config = GOOD.replace('input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1, 4 ] } ]',
+                          'input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1, 4 ] },'
+                          ' { name: "OPT" data_type: TYPE_FP32 dims: [ -1, 4 ] optional: true } ]')
+    spec = spec_of.build_spec(complete(config))
+    with pytest.raises(PierError) as err:
+        validate_request(spec, _req())
+    assert err.value.message == (
+        "[request id: <id_unknown>] expected number of inputs between 1 and 2 but got 0 inputs for model 'm'. "
+        "Got input(s) [], but missing required input(s) ['IN']. Please provide all required input(s).")
+    with pytest.raises(PierError) as err:
+        validate_request(spec, _req(_t((1, 2, 4)), _t((1, 2, 4), name="OPT"), _t((1, 2, 4), name="X")))
+    assert "expected number of inputs between 1 and 2 but got 3 inputs" in err.value.message
