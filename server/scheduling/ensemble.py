@@ -51,6 +51,18 @@ class EnsemblePlan:
     name: str
     steps: tuple[Step, ...]
     outputs: tuple[tuple[str, str], ...]  # (ensemble output, datatype)
+    optional_inputs: frozenset[str] = frozenset()  # ensemble inputs a request may leave out
+
+    def absent(self, request: InferenceRequest) -> frozenset[str]:
+        """The optional ensemble inputs `request` left out: as Triton, the steps that read them run
+        without them (their models' inputs are optional too, or those steps refuse the request)."""
+        if not self.optional_inputs:
+            return frozenset()
+        return self.optional_inputs - {t.name for t in request.inputs}
+
+    @staticmethod
+    def ready(step: Step, tensors: dict[str, Tensor], absent: frozenset[str]) -> bool:
+        return all(t in tensors or t in absent for _, t in step.inputs)
 
     @property
     def decoupled(self) -> bool:
@@ -138,7 +150,7 @@ def build_plan(config: mc.ModelConfig, spec: ModelSpec, lookup: SpecLookup) -> E
             raise fail(f"ensemble output '{t.name}' has dims {list(t.dims)} but {who} produces {list(dims)}")
         outputs.append((t.name, t.datatype))
     _check_acyclic(steps, fail)
-    return EnsemblePlan(name, tuple(steps), tuple(outputs))
+    return EnsemblePlan(name, tuple(steps), tuple(outputs), frozenset(t.name for t in spec.inputs if t.optional))
 
 
 def _check_acyclic(steps: list[Step], fail: Callable[[str], PierError]) -> None:
@@ -195,11 +207,12 @@ class EnsembleScheduler(Scheduler):
 
     async def _run(self, request: InferenceRequest) -> ExecuteResult:
         tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
+        absent = self._plan.absent(request)
         waiting = list(self._plan.steps)
         running: dict[asyncio.Task, Step] = {}
         try:
             while waiting or running:
-                for step in [s for s in waiting if all(t in tensors for _, t in s.inputs)]:
+                for step in [s for s in waiting if self._plan.ready(s, tensors, absent)]:
                     waiting.remove(step)
                     running[asyncio.ensure_future(self._infer(self._step_request(step, request, tensors)))] = step
                 if not running:
@@ -252,7 +265,8 @@ class EnsembleScheduler(Scheduler):
         """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
         decoupled step, one branch per response."""
         assert self._stream is not None
-        while ready := [s for s in waiting if not s.decoupled and all(t in tensors for _, t in s.inputs)]:
+        absent = self._plan.absent(request)
+        while ready := [s for s in waiting if not s.decoupled and self._plan.ready(s, tensors, absent)]:
             for step in ready:
                 waiting.remove(step)
             results = await asyncio.gather(*(self._infer(self._step_request(s, request, tensors)) for s in ready),
@@ -263,7 +277,7 @@ class EnsembleScheduler(Scheduler):
                 if isinstance(result, BaseException):
                     raise result
                 self._take_outputs(step, result, tensors)
-        fork = next((s for s in waiting if all(t in tensors for _, t in s.inputs)), None)
+        fork = next((s for s in waiting if self._plan.ready(s, tensors, absent)), None)
         if fork is None:
             missing = [name for name, _ in self._plan.outputs if name not in tensors]
             if missing or waiting:
@@ -297,8 +311,9 @@ class EnsembleScheduler(Scheduler):
     def _step_request(step: Step, request: InferenceRequest, tensors: dict[str, Tensor]) -> InferenceRequest:
         inputs = []
         for model_input, tensor in step.inputs:
-            t = tensors[tensor]
-            inputs.append(Tensor(model_input, t.datatype, list(t.shape), t.data))
+            t = tensors.get(tensor)
+            if t is not None:  # else an optional ensemble input the request left out
+                inputs.append(Tensor(model_input, t.datatype, list(t.shape), t.data))
         # As Triton: every step gets the request's parameters (its own and the protocol's: priority,
         # timeout, sequence flags), so that a composing model reads what the client sent.
         return InferenceRequest(step.model, step.version, inputs, [RequestedOutput(o) for o, _ in step.outputs],
