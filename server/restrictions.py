@@ -21,17 +21,21 @@ Rules = dict[str, tuple[str, str]]  # category -> (header key, expected value)
 
 
 def parse(specs: Sequence[str], flag: str) -> Rules:
-    """The rules of every `flag` value; ValueError names the problem."""
+    """The rules of every `flag` value; ValueError names the problem in tritonserver 2.51's words
+    (probed; qa tests compare them), with the categories allowed where that helps."""
+    kind = "protocol" if "protocol" in flag else "api"
     rules: Rules = {}
     for spec in specs:
         categories, sep, header = spec.partition(":")
         key, eq, value = header.partition("=")
         if not sep or not eq or not key or not value or not categories:
-            raise ValueError(f"{flag}={spec}: expected CATEGORY[,CATEGORY...]:KEY=VALUE")
+            raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {spec} "
+                             "(CATEGORY[,CATEGORY...]:KEY=VALUE)")
         for category in categories.split(","):
             if category not in CATEGORIES:
-                raise ValueError(f"{flag}: unknown restricted category '{category}' (one of {', '.join(CATEGORIES)})")
+                raise ValueError(f"{flag}: unknown restricted {kind} '{category}' (one of {', '.join(CATEGORIES)})")
             if category in rules:
-                raise ValueError(f"{flag}: category '{category}' is restricted more than once")
+                raise ValueError(f"{flag}: restricted {kind} '{category}' can not be specified in multiple config "
+                                 "groups")
             rules[category] = (key, value)
     return rules

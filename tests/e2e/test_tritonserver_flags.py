@@ -174,12 +174,20 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
 
 
 def test_restriction_flags_are_checked() -> None:
-    for spec, text in (("bogus:k=v", "unknown restricted category 'bogus'"), ("inference", "CATEGORY"),
-                       ("health, metadata:k=v", "unknown restricted category ' metadata'"), ("health:k=", "CATEGORY"),
-                       ("inference,inference:k=v", "restricted more than once")):
-        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
-                               f"--http-restricted-api={spec}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
-        assert proc.returncode == 2 and text in proc.stderr, (spec, proc.stderr)
+    """As tritonserver 2.51 words them (probed), for --http-restricted-api and --grpc-restricted-protocol."""
+    for flag, kind in (("--http-restricted-api", "api"), ("--grpc-restricted-protocol", "protocol")):
+        for specs, text in (
+                (["model-reposit:k=v"], f"unknown restricted {kind} 'model-reposit'"),
+                (["health, metadata:k=v"], f"unknown restricted {kind} ' metadata'"),
+                (["inference"], f"{flag} option format is '<config name>:<setting>=<value>'. Got inference"),
+                (["health:k="], "option format is '<config name>:<setting>=<value>'. Got health:k="),
+                (["inference,inference:k=v"], f"restricted {kind} 'inference' can not be specified in multiple"),
+                (["health:k=v", "health,metadata:k2=v2"],
+                 f"restricted {kind} 'health' can not be specified in multiple config groups")):
+            proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
+                                   *(f"{flag}={spec}" for spec in specs)], capture_output=True, text=True, cwd=ROOT,
+                                  timeout=60)
+            assert proc.returncode == 2 and text in proc.stderr, (flag, specs, proc.stderr)
 
 
 def test_header_forward_patterns_make_headers_parameters(tmp_path: Path) -> None:
