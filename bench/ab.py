@@ -45,7 +45,7 @@ from typing import Any
 from bench import report
 from bench.common import ROOT, Settings, git_describe, loadavg, log, machine, pier_command, sigterm_as_interrupt
 from bench.measure import alternate, fmt_ms, fmt_rate, perf_analyzer_point
-from bench.report import ratio_cells, ratio_reading
+from bench.report import finish, ratio_cells, ratio_reading
 from bench.revisions import check_old_imports, describe_head, git, start_old, worktree
 from bench.servers import Server, Servers, measure, ready_or_stopped, start_pier
 from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
@@ -381,12 +381,7 @@ def _run(old: str, settings: Settings, chosen: list[str]) -> int:
     except Exception:
         traceback.print_exc()
         return 1
-    print()
-    print(md.read_text().split("![")[0].rstrip())
-    if failed:
-        log(f"failed: {', '.join(failed)}")
-        return 1
-    return 0
+    return finish([md], failed)
 
 
 if __name__ == "__main__":

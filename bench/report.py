@@ -237,5 +237,17 @@ def write(name: str, title: str, settings, groups: list[Group], targets: list[Ta
     return md
 
 
+def finish(written: list[Path], failed: list[str]) -> int:
+    """Print the written reports' tables (not their notes or plots) and the exit status: 1 when a
+    benchmark could not run."""
+    for md in written:
+        print()
+        print(md.read_text().split("\n## Notes")[0].split("![")[0].rstrip())
+    if failed:
+        log(f"failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
 def started_info() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}

@@ -17,6 +17,7 @@ import time
 import traceback
 
 from bench.common import Settings, log
+from bench.report import finish
 
 BENCHMARKS = ("embedding", "identity", "json")
 
@@ -56,13 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             failed.append(name)
         log(f"=== {name} done in {time.monotonic() - t0:.0f} s ===")
-    for md in written:
-        print()
-        print(md.read_text().split("\n## Notes")[0].split("![")[0].rstrip())
-    if failed:
-        log(f"failed: {', '.join(failed)}")
-        return 1
-    return 0
+    return finish(written, failed)
 
 
 if __name__ == "__main__":
