@@ -4,13 +4,13 @@ and accept tritonserver's `--flag=value` spelling (booleans: true/false/1/0)."""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from pier import __version__
 from pier.settings import SERVER_NAME, GrpcSsl, Settings
+from pier.validation import header_pattern
 
 
 def _bool(value: str) -> bool:
@@ -192,9 +192,9 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     for flag_name, pattern in (("--http-header-forward-pattern", args.http_header_forward_pattern),
                                ("--grpc-header-forward-pattern", args.grpc_header_forward_pattern)):
         try:
-            re.compile(pattern)
-        except re.error as exc:
-            parser.error(f"{flag_name} {pattern!r}: not a regular expression ({exc})")
+            header_pattern(pattern)
+        except ValueError as exc:
+            parser.error(f"{flag_name}: {exc}")
     from pier.response_cache import parse_cache_config
 
     try:

@@ -3,9 +3,10 @@ Triton's wording, and map tensors between API shapes and framework shapes (`resh
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import re2
 
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
@@ -22,17 +23,38 @@ _BATCH_NOTE = (
 _ALLOWED_TRITON_KEYS = frozenset({"triton_enable_empty_final_response"})
 
 
-def forward_headers(pattern: re.Pattern[str] | None, headers: Iterable[tuple[str, str]],
+class HeaderPattern:
+    """--http/grpc-header-forward-pattern, as tritonserver reads it: an RE2 expression matched
+    case-insensitively (it prefixes "(?i)"; header names are case-insensitive, and "(?-i)" turns
+    that off again) anywhere in a header's name (RE2::PartialMatch). RE2 itself (google-re2),
+    not Python's `re`: the syntax differs ((?-i), \\C, possessive forms), and a pattern a
+    Triton user wrote must mean the same here."""
+
+    def __init__(self, pattern: str) -> None:
+        try:
+            self._regex = re2.compile("(?i)" + pattern)
+        except re2.error as exc:
+            raise ValueError(f"{pattern!r} is not a valid RE2 regular expression ({exc})") from None
+
+    def matches(self, name: str) -> bool:
+        return self._regex.search(name) is not None
+
+
+def header_pattern(pattern: str) -> HeaderPattern | None:
+    """The compiled pattern, or None for the default (empty: forward nothing)."""
+    return HeaderPattern(pattern) if pattern else None
+
+
+def forward_headers(pattern: HeaderPattern | None, headers: Iterable[tuple[str, str]],
                     params: dict[str, Any]) -> None:
-    """--http/grpc-header-forward-pattern: headers whose names the pattern matches (anywhere in the
-    name, as Triton's RE2 partial match) become string parameters of the request, unless the
+    """Headers whose names `pattern` matches become string parameters of the request, unless the
     request names that parameter itself. Names the server interprets (priority, timeout, the
     sequence flags, ...) are not forwarded: a header is only ever a string the model reads."""
     if pattern is None:
         return
     for name, value in headers:
-        if (isinstance(value, str) and name not in params and pattern.search(name)
-                and not name.startswith("triton_") and name not in _TYPED_KEYS):
+        if (isinstance(value, str) and name not in params and pattern.matches(name)
+                and not name.lower().startswith("triton_") and name.lower() not in _TYPED_KEYS):
             params[name] = value
 
 

@@ -190,29 +190,49 @@ def test_restriction_flags_are_checked() -> None:
             assert proc.returncode == 2 and text in proc.stderr, (flag, specs, proc.stderr)
 
 
+def _forwarded(server: object, headers: dict[str, str], parameters: dict[str, object]) -> dict[str, object]:
+    """The parameters request_args_py saw, per client (HTTP, gRPC)."""
+    seen = {}
+    for mod, url in ((httpclient, server.http_url), (grpcclient, server.grpc_url)):  # type: ignore[attr-defined]
+        client = mod.InferenceServerClient(url)
+        inp = mod.InferInput("MODEL", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
+        sent = dict(headers) if mod is httpclient else {k.lower(): v for k, v in headers.items()}  # gRPC: lower
+        result = client.infer("request_args_py", [inp], headers=sent, parameters=dict(parameters))
+        seen[mod.__name__.split(".")[-1]] = json.loads(result.as_numpy("ARGS")[0])["parameters"]
+    return seen
+
+
 def test_header_forward_patterns_make_headers_parameters(tmp_path: Path) -> None:
-    """--http/grpc-header-forward-pattern (Triton's qa L0_parameters with TEST_HEADER): headers whose
-    names match reach the model as request parameters; others do not; a parameter the request
-    sends itself wins."""
+    """--http/grpc-header-forward-pattern (Triton's qa L0_parameters with TEST_HEADER): RE2
+    expressions matched case-insensitively anywhere in a header's name, as tritonserver; headers
+    whose names match reach the model as request parameters, values intact (quotes, backslash; a
+    trailing space survives gRPC, while HTTP drops it as RFC 9110 says and aiohttp's parser does:
+    docs/triton-extensions.md); others do not; a parameter the request sends itself wins; "(?-i)" makes the
+    match case-sensitive again (gRPC metadata names are lower case, so MY_HEADER matches none)."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "tests" / "python_models" / "request_args_py", repo / "request_args_py")
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
-    pattern = "my_header.*|priority|sequence_end"  # names the server interprets are never forwarded
+    quoted = 'This is a "quoted" string with a backslash\\ '
+    headers = {"header_1": "value_1", "my_header_1": "my_value_1", "my_header_2": "overridden",
+               "my_header_3": quoted, "priority": "1", "sequence_end": "true"}
+    pattern = "MY_HEADER.*|priority|sequence_end"  # names the server interprets are never forwarded
     server = start_pier([repo], f"--http-header-forward-pattern={pattern}",
                         f"--grpc-header-forward-pattern={pattern}", log_path=tmp_path / "log")
-    headers = {"header_1": "value_1", "my_header_1": "my_value_1", "my_header_2": 'a "quoted" one\\ ',
-               "priority": "1", "sequence_end": "true"}
     try:
-        for mod, url in ((httpclient, server.http_url), (grpcclient, server.grpc_url)):
-            client = mod.InferenceServerClient(url)
-            inp = mod.InferInput("MODEL", [1], "BYTES")
-            inp.set_data_from_numpy(np.array([b"simple"], dtype=np.object_))
-            result = client.infer("request_args_py", [inp], headers=dict(headers),  # httpclient adds to it
-                                  parameters={"p": 1, "my_header_2": "sent"})
-            seen = json.loads(result.as_numpy("ARGS")[0])["parameters"]
-            assert seen == {"p": 1, "my_header_1": "my_value_1", "my_header_2": "sent"}, (mod.__name__, seen)
+        want = {"p": 1, "my_header_1": "my_value_1", "my_header_2": "sent", "my_header_3": quoted}
+        assert _forwarded(server, headers, {"p": 1, "my_header_2": "sent"}) == {
+            "http": {**want, "my_header_3": quoted.rstrip()}, "grpc": want}
+    finally:
+        assert server.stop() == 0
+    pattern = "(?-i)MY_HEADER.*"
+    server = start_pier([repo], f"--http-header-forward-pattern={pattern}",
+                        f"--grpc-header-forward-pattern={pattern}", log_path=tmp_path / "log2")
+    try:
+        seen = _forwarded(server, {**headers, "MY_HEADER_9": "upper"}, {})
+        assert seen == {"http": {"MY_HEADER_9": "upper"}, "grpc": {}}, seen
     finally:
         assert server.stop() == 0
     bad = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={repo}",
                           "--http-header-forward-pattern=("], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert bad.returncode == 2 and "not a regular expression" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "not a valid RE2 regular expression" in bad.stderr, bad.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.protocol import health_pb2, health_pb2_grpc
 from pier.settings import GrpcSsl
 from pier.validation import forward_headers
+from pier.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.grpc")
 
@@ -116,7 +116,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.plane = plane
         self.control = control
         # --grpc-header-forward-pattern: metadata that becomes request parameters
-        self.header_pattern = re.compile(header_pattern) if header_pattern else None
+        self.header_pattern = compile_pattern(header_pattern)
 
     def _decode(self, request: pb.ModelInferRequest, context: Any) -> InferenceRequest:
         decoded = codec.decode_request(request, self.plane.shared_memory)

@@ -4,7 +4,6 @@ DataPlane -> wire. Unknown paths answer 404 {"error":"Not Found"}, wrong verbs 4
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +18,8 @@ from pier.data_plane import DataPlane
 from pier.frontends.http import codec, generate, openai
 from pier.frontends.http.middleware import error_middleware, restrict_middleware
 from pier.lifecycle.loaded_model import LoadedModel
-from pier.validation import forward_headers
+from pier.validation import HeaderPattern, forward_headers
+from pier.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,7 +43,7 @@ def _version(request: web.Request) -> str:
 
 class HttpHandlers:
     def __init__(self, plane: DataPlane, control: ControlPlane, max_json_size: int,
-                 header_pattern: re.Pattern[str] | None = None) -> None:
+                 header_pattern: HeaderPattern | None = None) -> None:
         self.plane = plane
         self.control = control
         self.max_json_size = max_json_size
@@ -290,7 +290,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     scrape jobs written for vLLM work)."""
     middlewares = [error_middleware] + ([restrict_middleware(restricted)] if restricted else [])
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
-    h = HttpHandlers(plane, control, max_input_size, re.compile(header_pattern) if header_pattern else None)
+    h = HttpHandlers(plane, control, max_input_size, compile_pattern(header_pattern))
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"
     r = app.router
