@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pier.contract.errors import invalid_arg
+from pier.contract.errors import PierError, invalid_arg
 
 _NUMPY: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -126,37 +126,74 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.ndarray:
-    """Parse exactly `count` length-prefixed elements that must fill `buffer` exactly."""
+def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str, model: str = "",
+                      request_id: str = "") -> np.ndarray:
+    """Parse exactly `count` length-prefixed elements that must fill `buffer` exactly. The
+    count errors are tritonserver's (core ValidateBytesInputs), which clients and Triton's qa
+    compare: "expected N string elements for inference input ..., got K" and "unexpected number
+    of string elements K+1 ..., expecting N"."""
     view = memoryview(buffer)
     offset, size = 0, len(view)
-    if count * 4 > size:  # each element needs its 4-byte length: refuse before allocating `count`
-        raise invalid_arg(
-            f"unexpected number of string elements for input '{name}': expected {count}, "
-            f"a buffer of {size} bytes holds at most {size // 4}"
-        )
-    out = np.empty(count, dtype=np.object_)
-    for i in range(count):
-        if offset + 4 > size:
+    where = f"for inference input '{name}' for model '{model}'"
+    items: list[bytes] = []
+    while offset < size:
+        if size - offset < 4:
             raise invalid_arg(
-                f"unexpected number of string elements for input '{name}': "
-                f"expected {count}, buffer holds only {i}"
+                f"{request_prefix(request_id)}incomplete string length indicator {where}, expecting 4 bytes but "
+                f"only {size - offset} bytes available. Please make sure the string length indicator is in one buffer."
+            )
+        if len(items) == count:  # one more element than the shape holds: stop here (the buffer may be huge)
+            raise invalid_arg(
+                f"{request_prefix(request_id)}unexpected number of string elements {count + 1} {where}, "
+                f"expecting {count}"
             )
         (length,) = _LEN.unpack_from(view, offset)
         offset += 4
         if offset + length > size:
             raise invalid_arg(
-                f"element {i} of BYTES input '{name}' claims {length} bytes but only "
-                f"{size - offset} remain in the buffer"
+                f"{request_prefix(request_id)}incomplete string data {where}, expecting string of length "
+                f"{length} but only {size - offset} bytes available (element {len(items)} of {count})"
             )
-        out[i] = bytes(view[offset : offset + length])
+        items.append(bytes(view[offset : offset + length]))
         offset += length
-    if offset != size:
+    if len(items) != count:
         raise invalid_arg(
-            f"unexpected number of string elements for input '{name}': buffer holds more than "
-            f"the {count} elements its shape declares"
+            f"{request_prefix(request_id)}expected {count} string elements {where}, got {len(items)}"
         )
+    out = np.empty(count, dtype=np.object_)
+    out[:] = items
     return out
+
+
+def request_prefix(request_id: str) -> str:
+    """Triton's prefix of request errors: "[request id: ID] "."""
+    return f"[request id: {request_id or '<id_unknown>'}] "
+
+
+class RawInputs:
+    """Decodes a request's raw input buffers, holding back BYTES element-count errors until
+    every input is read, so that one answer names each input whose buffer does not fit its
+    shape (tritonserver reports one of them, in the order of its hash map)."""
+
+    def __init__(self, model: str, request_id: str) -> None:
+        self.model, self.request_id = model, request_id
+        self._errors: list[str] = []
+
+    def decode(self, buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+        try:
+            return from_raw(buffer, datatype, shape, name, self.model, self.request_id)
+        except PierError as exc:
+            if datatype != "BYTES":
+                raise
+            self._errors.append(exc.message)
+            return _NO_DATA
+
+    def check(self) -> None:
+        if self._errors:
+            raise invalid_arg("; ".join(self._errors))
+
+
+_NO_DATA = np.empty(0, dtype=np.object_)
 
 
 def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str,
@@ -164,12 +201,12 @@ def from_raw(buffer: bytes | memoryview, datatype: str, shape: Sequence[int], na
     """Decode a raw tensor buffer, checking its size against datatype and shape."""
     count = element_count(shape)
     if datatype == "BYTES":
-        return deserialize_bytes(buffer, count, name).reshape(shape)
+        return deserialize_bytes(buffer, count, name, model, request_id).reshape(shape)
     dtype = numpy_dtype(datatype)
     expected = count * dtype.itemsize
     if len(buffer) != expected:
         raise invalid_arg(
-            f"[request id: {request_id or '<id_unknown>'}] input byte size mismatch for input '{name}' "
+            f"{request_prefix(request_id)}input byte size mismatch for input '{name}' "
             f"for model '{model}'. Expected {expected}, got {len(buffer)}"
         )
     return np.frombuffer(buffer, dtype=dtype).reshape(shape)

@@ -8,6 +8,7 @@ from typing import Any
 
 import re2
 
+from pier import datatypes
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
 
@@ -97,7 +98,7 @@ _TYPED_KEYS = {
 
 
 def request_prefix(request: InferenceRequest) -> str:
-    return f"[request id: {request.id or '<id_unknown>'}] "
+    return datatypes.request_prefix(request.id)
 
 
 def _fmt(shape: Sequence[int]) -> str:

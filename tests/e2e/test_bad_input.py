@@ -49,6 +49,9 @@ BINARY_HEADER = json.dumps({"inputs": [
 BYTES_HEADER = json.dumps({"inputs": [
     {"name": "INPUT0", "shape": [1, 2**40], "datatype": "BYTES", "parameters": {"binary_data_size": 4}}]}).encode()
 
+TWO_BYTES_HEADER = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 2], "datatype": "BYTES", "parameters": {"binary_data_size": 6}}]}).encode()
+
 NOT_UTF8_HEADER = json.dumps({"inputs": [
     {"name": "INPUT0", "shape": [1, 1], "datatype": "BYTES", "parameters": {"binary_data_size": 6}}]}).encode()
 
@@ -112,7 +115,12 @@ HTTP_CASES = [
      b'{"inputs":[{"name":"\\ud800","shape":[1,16],"datatype":"INT32","data":[0]}]}', {}, 400,
      "failed to parse the request JSON"),
     ("BYTES shape past its buffer", "POST", "/v2/models/roundtrip_bytes/infer", BYTES_HEADER + b"\0" * 4,
-     {"Inference-Header-Content-Length": str(len(BYTES_HEADER))}, 400, "holds at most 1"),
+     {"Inference-Header-Content-Length": str(len(BYTES_HEADER))}, 400,
+     f"expected {2**40} string elements for inference input 'INPUT0' for model 'roundtrip_bytes', got 1"),
+    ("BYTES length indicator cut short", "POST", "/v2/models/roundtrip_bytes/infer", TWO_BYTES_HEADER + b"\0" * 6,
+     {"Inference-Header-Content-Length": str(len(TWO_BYTES_HEADER))}, 400,
+     "incomplete string length indicator for inference input 'INPUT0' for model 'roundtrip_bytes', expecting 4 "
+     "bytes but only 2 bytes available"),
     ("BYTES not UTF-8 for an ONNX string tensor", "POST", "/v2/models/roundtrip_bytes/infer",
      NOT_UTF8_HEADER + b"\x02\0\0\0\xff\xfe", {"Inference-Header-Content-Length": str(len(NOT_UTF8_HEADER))}, 400,
      "holds an element that is not UTF-8 text"),
@@ -224,6 +232,14 @@ def _contents_and_raw():
     return req
 
 
+def _strings(count: int, shape=(1, 16)):
+    """L0_input_validation test_input_string_shape_validation: two BYTES inputs whose shape says 16
+    strings while the buffers hold `count`; both are named (Triton names one, INPUT1)."""
+    buffer = b"".join(len(s).to_bytes(4, "little") + s for s in (str(i).encode() for i in range(count)))
+    return _req(model="roundtrip_bytes", inputs=(("INPUT0", "BYTES", shape), ("INPUT1", "BYTES", shape)),
+                raw=[buffer, buffer])
+
+
 def _with_param(req, key, value):
     if isinstance(value, int):
         req.parameters[key].int64_param = value
@@ -233,6 +249,13 @@ def _with_param(req, key, value):
 
 
 GRPC_CASES = [
+    ("BYTES with fewer strings than its shape", _strings(14), grpc.StatusCode.INVALID_ARGUMENT,
+     "expected 16 string elements for inference input 'INPUT0' for model 'roundtrip_bytes', got 14; "
+     "[request id: <id_unknown>] expected 16 string elements for inference input 'INPUT1' for model "
+     "'roundtrip_bytes', got 14"),
+    ("BYTES with more strings than its shape", _strings(18), grpc.StatusCode.INVALID_ARGUMENT,
+     "unexpected number of string elements 17 for inference input 'INPUT1' for model 'roundtrip_bytes', "
+     "expecting 16"),
     ("raw count mismatch", _req(raw=[b"\0" * 64]), grpc.StatusCode.INVALID_ARGUMENT,
      "unable to find data for input tensor 'INPUT1'"),
     ("truncated raw input", _req(raw=[b"\0" * 64, b"\0" * 10]), grpc.StatusCode.INVALID_ARGUMENT,

@@ -209,12 +209,12 @@ def test_config_json_that_is_not_a_model_config_says_so():
 def test_forwarded_headers_never_set_what_the_server_interprets():
     """--http/grpc-header-forward-pattern: a header named priority / timeout / sequence_* would reach
     the schedulers as a string (a TypeError in the dynamic batcher); only the model's own names pass."""
-    from pier.validation import forward_headers
+    from pier.validation import forward_headers, header_pattern
 
     params: dict = {"mine": 1}
-    headers = [("priority", "1"), ("timeout", "5"), ("sequence_end", "false"), ("triton_x", "y"),
+    headers = [("priority", "1"), ("Timeout", "5"), ("sequence_end", "false"), ("Triton_x", "y"),
                ("mine", "header"), ("my_header", "v"), ("other", "w")]
-    forward_headers(re.compile("priority|timeout|sequence|triton|mine|my_"), headers, params)
+    forward_headers(header_pattern("priority|timeout|sequence|triton|mine|my_"), headers, params)
     assert params == {"mine": 1, "my_header": "v"}
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.datatypes import check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
+from pier.datatypes import RawInputs, check_dims, element_count, is_datatype, numpy_dtype, to_raw
 from pier.protocol import grpc_service_pb2 as pb
 from pier.shared_memory import (
     SystemSharedMemory,
@@ -97,6 +97,7 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
         _check_raw_count(raw, [t for t in req_inputs if not _in_shm(t)], model)
     inputs = []
     i = 0
+    buffers = RawInputs(model, req.id)
     for t in req_inputs:
         name, datatype = t.name, t.datatype
         if not is_datatype(datatype):
@@ -118,11 +119,12 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
         if raw:
             if t.HasField("contents"):
                 raise _contents_conflict(name, model)
-            data = from_raw(raw[i], datatype, shape, name, model, req.id)
+            data = buffers.decode(raw[i], datatype, shape, name)
         else:
             data = _from_contents(t, datatype, shape, model)
         inputs.append(Tensor(name, datatype, shape, data, params))
         i += 1
+    buffers.check()
     outputs = []
     if req.outputs:
         for o in req.outputs:

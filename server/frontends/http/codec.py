@@ -16,7 +16,7 @@ from aiohttp import web
 
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.datatypes import check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
+from pier.datatypes import RawInputs, check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
 from pier.frontends.json_data import array_from_json, array_to_json
 from pier.shared_memory import (
     SystemSharedMemory,
@@ -136,9 +136,11 @@ def decode_request(model: str, version: str, body: bytes, json_length: int | Non
         raise invalid_arg("the request JSON must have an 'inputs' array")
     offset = 0
     inputs: list[Tensor] = []
+    buffers = RawInputs(model, rid)
     for i, item in enumerate(raw_inputs):
-        tensor, offset = _decode_input(item, i, blobs, offset, model, rid, shm)
+        tensor, offset = _decode_input(item, i, blobs, offset, buffers, shm)
         inputs.append(tensor)
+    buffers.check()
     if offset != len(blobs):
         raise invalid_arg(f"unexpected additional input data for model '{model}'")
     outputs = []
@@ -201,8 +203,9 @@ def decode_raw_request(model: str, version: str, metadata: dict[str, Any], batch
                             {"binary_data_output": True})
 
 
-def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: str,
-                  rid: str, shm: SystemSharedMemory | None) -> tuple[Tensor, int]:
+def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, buffers: RawInputs,
+                  shm: SystemSharedMemory | None) -> tuple[Tensor, int]:
+    model = buffers.model
     if not isinstance(item, dict):
         raise invalid_arg(f"input {index} must be a JSON object")
     name = item.get("name")
@@ -228,7 +231,7 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
         got = "no field is set" if not present else "set " + " ".join(f"'{k}'" for k in present)
         raise invalid_arg(f"{_ONE_OF} But {got}")  # Triton's words (it does not name the input either)
     if in_shm:
-        data = read_input(shm, params, datatype, shape, name, model, rid)
+        data = read_input(shm, params, datatype, shape, name, model, buffers.request_id)
         return Tensor(name, datatype, shape, data, without_placement(params)), offset
     if size is not None:
         if type(size) is not int or size < 0:
@@ -238,7 +241,7 @@ def _decode_input(item: Any, index: int, blobs: memoryview, offset: int, model: 
                 f"unexpected size for input '{name}', expecting {offset + size - len(blobs)} additional bytes "
                 f"for model '{model}'"
             )
-        data = from_raw(blobs[offset:offset + size], datatype, shape, name, model, rid)
+        data = buffers.decode(blobs[offset:offset + size], datatype, shape, name)
         offset += size
     else:
         data = array_from_json(item["data"], datatype, shape, name)
