@@ -85,6 +85,15 @@ def without_placement(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in PARAMS}
 
 
+class UnopenableRegion(PierError):
+    """The key names no shared memory object the server can open: a client's mistake (400 over
+    HTTP); the gRPC frontend answers INTERNAL there, as tritonserver does and its clients'
+    tests expect."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(ErrorCode.INVALID_ARG, f"Unable to open shared memory region: '{key}'")
+
+
 class SystemSharedMemory:
     def __init__(self) -> None:
         self._regions: dict[str, _Region] = {}
@@ -107,7 +116,7 @@ class SystemSharedMemory:
         except OSError:
             if fd >= 0:
                 os.close(fd)
-            raise invalid_arg(f"Unable to open shared memory region: '{key}'") from None
+            raise UnopenableRegion(key) from None
         if byte_size <= 0 or offset + byte_size > info.st_size:
             os.close(fd)
             raise invalid_arg(f"failed to register shared memory region '{name}': invalid args")
@@ -120,15 +129,17 @@ class SystemSharedMemory:
 
     def unregister(self, name: str = "") -> None:
         """One region, or all when `name` is empty; an unknown name is not an error (as Triton).
-        A region that a request in flight names cannot go (nothing is unregistered then)."""
-        names = [name] if name else list(self._regions)
-        for n in names:
-            if self._users.get(n):
-                raise invalid_arg(f"Cannot unregister shared memory region '{n}', it is currently in use.")
-        for n in names:
-            region = self._regions.pop(n, None)
-            if region is not None:
+        A region that a request in flight names cannot go: unregistering it alone fails, and
+        unregistering all removes the others and names those that stay."""
+        if name and self._users.get(name):
+            raise invalid_arg(f"Cannot unregister shared memory region '{name}', it is currently in use.")
+        busy = sorted(n for n in self._regions if self._users.get(n)) if not name else []
+        for n in [name] if name else list(self._regions):
+            if n not in busy and (region := self._regions.pop(n, None)) is not None:
                 region.close()
+        if busy:  # as Triton: the free ones go, and the answer lists the others in its words
+            raise invalid_arg("Failed to unregister the following system shared memory regions: "
+                              + "".join(f"{n} ," for n in busy) + " (in use by requests in flight)")
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
         if name and name not in self._regions:
@@ -143,6 +154,9 @@ class SystemSharedMemory:
         region = self._regions.get(where.region)
         if region is None:
             raise not_found(f"Unable to find shared memory region: '{where.region}'")
+        if where.offset >= region.byte_size:
+            raise invalid_arg(f"Invalid offset for shared memory region: '{where.region}' (offset {where.offset}, "
+                              f"the region holds {region.byte_size} bytes)")
         if where.byte_size == 0 or where.offset + where.byte_size > region.byte_size:
             raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{where.region}'")
         start = region.offset + where.offset
@@ -246,9 +260,16 @@ def regions_named(inputs: list[Any], outputs: list[Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def cuda_register(name: str) -> None:
+    """CUDA shared memory: Pier maps no CUDA IPC handles, so every handle is refused, in the
+    words tritonserver uses for a handle it cannot open (its clients match them)."""
+    raise invalid_arg(f"failed to register shared memory region '{name}': invalid args (CUDA shared memory "
+                      "is not supported by this server: use system shared memory)")
+
+
 def cuda_status(name: str = "") -> list[dict[str, Any]]:
-    """CUDA shared memory: no region can be registered yet (registering answers 501), so the
-    status is empty and a named region is unknown."""
+    """CUDA shared memory: no region can be registered, so the status is empty and a named
+    region is unknown."""
     if name:
         raise not_found(f"Unable to find cuda shared memory region: '{name}'")
     return []

@@ -178,12 +178,15 @@ def test_grpc_health_service(pier):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_unimplemented_rpcs_say_so(pier):
+def test_cuda_shared_memory_is_refused_in_tritons_words(pier):
+    """No CUDA IPC handle can be registered; the refusal is the one Triton gives a handle it cannot
+    open (qa L0_grpc python_grpc_aio_test matches "failed to register shared memory region.*invalid args")."""
     client = grpcclient.InferenceServerClient(pier.grpc_url)
-    with pytest.raises(InferenceServerException) as err:
-        client.register_cuda_shared_memory("r", base64.b64encode(b"not-a-handle"), 0, 64)
-    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "not implemented" in err.value.message()
+    for name, handle in (("r", base64.b64encode(b"not-a-handle")), ("", b"")):
+        with pytest.raises(InferenceServerException) as err:
+            client.register_cuda_shared_memory(name, handle, 0, 64)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT", err.value
+        assert f"failed to register shared memory region '{name}': invalid args" in err.value.message()
     # Nothing CUDA can be registered: status is empty and unregister is a no-op, as on Triton
     # without GPUs (perf_analyzer's shared-memory cleanup calls both).
     assert not client.get_cuda_shared_memory_status().regions

@@ -178,9 +178,10 @@ def test_statistics_lookup_errors(pier):
     assert r.status_code == 400 and "requested model version is not available" in r.json()["error"]
 
 
-def test_unimplemented_extensions_answer_501(pier):
-    r = requests.post(pier.base() + "/v2/cudasharedmemory/region/r/register", timeout=5)
-    assert r.status_code == 501 and "not implemented" in r.json()["error"]
+def test_cuda_shared_memory_answers_as_triton_without_gpus(pier):
+    r = requests.post(pier.base() + "/v2/cudasharedmemory/region/r/register",
+                      json={"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 64}, timeout=5)
+    assert r.status_code == 400 and "failed to register shared memory region 'r': invalid args" in r.json()["error"]
     assert requests.get(pier.base() + "/v2/cudasharedmemory/status", timeout=5).json() == []
     assert requests.post(pier.base() + "/v2/cudasharedmemory/unregister", timeout=5).status_code == 200
 

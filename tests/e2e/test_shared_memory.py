@@ -167,9 +167,17 @@ def test_register_errors_are_clear_4xx(pier, regions, tmp_path):
     r = _post(pier, "/v2/systemsharedmemory/region/no_offset/register", {"key": key, "byte_size": 16})
     assert r.status_code == 200, r.text  # as Triton: the offset defaults to 0
     regions.names.append("no_offset")
+    # gRPC answers INTERNAL for a key it cannot open, as Triton (qa L0_grpc python_grpc_aio_test
+    # compares "[StatusCode.INTERNAL] Unable to open shared memory region: ''"); HTTP keeps the 400.
+    g = grpcclient.InferenceServerClient(pier.grpc_url)
+    for name, missing in (("bad", "/pier_nope"), ("", "")):
+        with pytest.raises(InferenceServerException) as err:
+            g.register_system_shared_memory(name, missing, 0)
+        assert err.value.status() == "StatusCode.INTERNAL", err.value
+        assert f"Unable to open shared memory region: '{missing}'" in err.value.message(), err.value
     with pytest.raises(InferenceServerException) as err:
-        grpcclient.InferenceServerClient(pier.grpc_url).register_system_shared_memory("bad", "/pier_nope", 8)
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        g.register_system_shared_memory("bad", key, 64)  # a real key, too large a window: invalid args
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT", err.value
 
 
 def _identity_body(in_params: dict, out_params: dict | None = None) -> dict:
@@ -198,6 +206,10 @@ def test_inference_errors_name_the_problem(pier, regions):
          "Unable to parse 'shared_memory_byte_size'"),
         (ok_in, {"shared_memory_region": "err_small", "shared_memory_byte_size": 64}, 400,
          "Invalid offset + byte size for shared memory region: 'err_small'"),
+        (ok_in, {"shared_memory_region": "err_in", "shared_memory_byte_size": 64, "shared_memory_offset": 2**64 - 32},
+         400, "Invalid offset for shared memory region: 'err_in'"),  # qa test_infer_offset_out_of_bound
+        (ok_in, {"shared_memory_region": "err_in", "shared_memory_byte_size": 64, "shared_memory_offset": 128}, 400,
+         "Invalid offset for shared memory region: 'err_in'"),
         (ok_in, {"shared_memory_region": "err_small", "shared_memory_byte_size": 16}, 400,
          "shared memory size specified with the request for output 'OUTPUT0' (16 bytes) should be at least 64 "
          "bytes to hold the results"),

@@ -86,11 +86,22 @@ def test_grpc_raw_contents_pair_with_the_inputs_not_in_shared_memory(region):
 def test_a_region_in_use_cannot_be_unregistered(region):
     manager, key, _ = region
     manager.register("busy", key, 0, 64)
-    manager.use(("busy", "busy"))  # two requests in flight name it
+    for name in ("free", "also_busy"):  # one region per key (as Triton): two more files
+        path = f"/dev/shm/pier_unit_{name}_{uuid.uuid4().hex[:8]}"
+        with open(path, "wb") as f:
+            f.write(bytes(64))
+        manager.register(name, path.removeprefix("/dev/shm"), 0, 64)
+        os.unlink(path)  # the registration holds it open
+    manager.use(("busy", "busy", "also_busy"))  # two requests in flight name it, one the other
     with pytest.raises(PierError, match="Cannot unregister shared memory region 'busy', it is currently in use"):
         manager.unregister("busy")
-    with pytest.raises(PierError, match="currently in use"):
-        manager.unregister()  # unregister-all leaves everything registered
+    with pytest.raises(PierError) as err:  # unregister-all: the free region goes, Triton's words name the others
+        manager.unregister()
+    assert ("Failed to unregister the following system shared memory regions: also_busy ,busy ,"
+            in err.value.message), err.value.message
+    assert [r["name"] for r in manager.status()] == ["busy", "also_busy"]
+    manager.done(("also_busy",))
+    manager.unregister("also_busy")
     manager.done(("busy",))
     with pytest.raises(PierError, match="currently in use"):
         manager.unregister("busy")

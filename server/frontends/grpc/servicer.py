@@ -16,7 +16,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
 from pier import log_settings, restrictions, shared_memory
-from pier.contract.errors import ErrorCode, PierError, printable, unsupported
+from pier.contract.errors import ErrorCode, PierError, internal, printable, unsupported
 from pier.contract.types import InferenceRequest
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
@@ -89,12 +89,6 @@ def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
             log.exception("unhandled error in %s", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, printable(f"internal error: {type(exc).__name__}: {exc}"))
     return wrapper
-
-
-def _not_yet(rpc: str) -> Callable[..., Any]:
-    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise unsupported(f"{rpc} is not implemented by this server yet")
-    return _translate(handler)
 
 
 def _check_repository(name: str) -> None:
@@ -310,7 +304,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_translate
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context: Any) -> pb.SystemSharedMemoryRegisterResponse:
-        self.plane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        try:
+            self.plane.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        except shared_memory.UnopenableRegion as exc:
+            raise internal(exc.message) from None
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_translate
@@ -325,7 +322,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         shared_memory.cuda_status(request.name)  # none registered: empty, or an unknown name
         return pb.CudaSharedMemoryStatusResponse()
 
-    CudaSharedMemoryRegister = _not_yet("CudaSharedMemoryRegister (CUDA shared memory)")
+    @_translate
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                       context: Any) -> pb.CudaSharedMemoryRegisterResponse:
+        shared_memory.cuda_register(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @_translate
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,

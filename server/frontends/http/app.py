@@ -226,6 +226,11 @@ class HttpHandlers:
     async def cuda_shm_status(self, request: web.Request) -> web.Response:
         return _json(shared_memory.cuda_status(request.match_info.get("region", "")))
 
+    async def cuda_shm_register(self, request: web.Request) -> web.Response:
+        await self._body(request, "cuda shared memory register")
+        shared_memory.cuda_register(request.match_info["region"])
+        return _empty(200)
+
     async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
         return _empty(200)
 
@@ -310,7 +315,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
         r.add_post(base + "/generate", h.generate)
         r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)
-    # CUDA regions cannot be registered yet: empty status, no-op unregister, register is 501.
+    # CUDA regions cannot be registered: empty status, no-op unregister, register refused.
     for base, status, unregister in (("/v2/systemsharedmemory", h.shm_status, h.shm_unregister),
                                      ("/v2/cudasharedmemory", h.cuda_shm_status, h.cuda_shm_unregister)):
         r.add_get(base + "/status", status)
@@ -318,6 +323,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
         r.add_post(base + "/unregister", unregister)
         r.add_post(base + "/region/{region}/unregister", unregister)
     r.add_post("/v2/systemsharedmemory/region/{region}/register", h.shm_register)
+    r.add_post("/v2/cudasharedmemory/region/{region}/register", h.cuda_shm_register)
     r.add_route("*", "/v2/cudasharedmemory/{tail:.*}", h.not_yet)
     r.add_get("/v2/logging", h.logging_get)
     r.add_post("/v2/logging", h.logging_update)
