@@ -52,6 +52,31 @@ class EnsemblePlan:
     steps: tuple[Step, ...]
     outputs: tuple[tuple[str, str], ...]  # (ensemble output, datatype)
     optional_inputs: frozenset[str] = frozenset()  # ensemble inputs a request may leave out
+    _needed: dict[frozenset[str], tuple[tuple[Step, ...], tuple[tuple[str, str], ...]]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
+
+    def needed(self, request: InferenceRequest) -> tuple[tuple[Step, ...], tuple[tuple[str, str], ...]]:
+        """The steps and ensemble outputs that `request` needs. As Triton: a request that asks for
+        some outputs runs only the steps those outputs depend on (a composing model that feeds
+        none of them is not called, and its statistics show it)."""
+        wanted = frozenset(o.name for o in request.outputs) & {name for name, _ in self.outputs}
+        if not wanted or len(wanted) == len(self.outputs):
+            return self.steps, self.outputs
+        cached = self._needed.get(wanted)
+        if cached is None:
+            producer = {tensor: s for s in self.steps for _, tensor in s.outputs}
+            keep: set[int] = set()
+            todo = [producer[t] for t in wanted if t in producer]
+            while todo:
+                step = todo.pop()
+                if step.index not in keep:
+                    keep.add(step.index)
+                    todo.extend(producer[t] for _, t in step.inputs if t in producer)
+            cached = (tuple(s for s in self.steps if s.index in keep),
+                      tuple(o for o in self.outputs if o[0] in wanted))
+            if len(self._needed) < 64:  # requests choose the subsets: keep the cache bounded
+                self._needed[wanted] = cached
+        return cached
 
     def absent(self, request: InferenceRequest) -> frozenset[str]:
         """The optional ensemble inputs `request` left out: as Triton, the steps that read them run
@@ -68,6 +93,16 @@ class EnsemblePlan:
     def decoupled(self) -> bool:
         """A decoupled step makes the ensemble decoupled, as in Triton."""
         return any(s.decoupled for s in self.steps)
+
+
+def _sequence_parameters(request: InferenceRequest) -> dict[str, bool | int | str]:
+    """As Triton's ensemble scheduler: every ensemble response carries the sequence id and flags
+    its steps ran with (0 and false for a request outside any sequence); qa L0_simple_ensemble
+    reads them back from a streamed sequence."""
+    p = request.parameters
+    sequence_id = p.get("sequence_id", 0)
+    return {"sequence_id": sequence_id if isinstance(sequence_id, (int, str)) else 0,
+            "sequence_start": p.get("sequence_start") is True, "sequence_end": p.get("sequence_end") is True}
 
 
 def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -208,7 +243,8 @@ class EnsembleScheduler(Scheduler):
     async def _run(self, request: InferenceRequest) -> ExecuteResult:
         tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
         absent = self._plan.absent(request)
-        waiting = list(self._plan.steps)
+        steps, outputs = self._plan.needed(request)
+        waiting = list(steps)
         running: dict[asyncio.Task, Step] = {}
         try:
             while waiting or running:
@@ -229,10 +265,10 @@ class EnsembleScheduler(Scheduler):
         finally:
             for task in running:
                 task.cancel()
-        missing = [name for name, _ in self._plan.outputs if name not in tensors]
+        missing = [name for name, _ in outputs if name not in tensors]
         if missing:
             return invalid_arg(f"ensemble '{self._plan.name}': output '{missing[0]}' was not produced")
-        return Outputs([tensors[name] for name, _ in self._plan.outputs])
+        return Outputs([tensors[name] for name, _ in outputs], _sequence_parameters(request))
 
     def _failed(self, step: Step, exc: PierError) -> PierError:
         # Triton's prefix ("in ensemble 'name', <the step's error>"), naming the step as well
@@ -254,14 +290,15 @@ class EnsembleScheduler(Scheduler):
         sink = request.response_sink
         if sink is None or self._stream is None:
             return internal(f"ensemble '{self._plan.name}' has decoupled steps: it answers through a stream")
-        error = await self._branch(request, {t.name: t for t in request.inputs}, list(self._plan.steps), sink)
+        steps, outputs = self._plan.needed(request)
+        error = await self._branch(request, {t.name: t for t in request.inputs}, list(steps), outputs, sink)
         if error is not None:
             return error
         sink(None, True)
         return Outputs([])
 
     async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], waiting: list[Step],
-                      sink: ResponseSink) -> PierError | None:
+                      outputs: tuple[tuple[str, str], ...], sink: ResponseSink) -> PierError | None:
         """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
         decoupled step, one branch per response."""
         assert self._stream is not None
@@ -279,12 +316,12 @@ class EnsembleScheduler(Scheduler):
                 self._take_outputs(step, result, tensors)
         fork = next((s for s in waiting if self._plan.ready(s, tensors, absent)), None)
         if fork is None:
-            missing = [name for name, _ in self._plan.outputs if name not in tensors]
+            missing = [name for name, _ in outputs if name not in tensors]
             if missing or waiting:
                 what = f"output '{missing[0]}' was not produced" if missing else \
                     f"{waiting[0].label} never received its inputs"
                 return invalid_arg(f"ensemble '{self._plan.name}': {what}")
-            sink(Outputs([tensors[name] for name, _ in self._plan.outputs]), False)
+            sink(Outputs([tensors[name] for name, _ in outputs], _sequence_parameters(request)), False)
             return None
         waiting.remove(fork)
         stream = self._stream(self._step_request(fork, request, tensors))
@@ -298,7 +335,7 @@ class EnsembleScheduler(Scheduler):
                     continue
                 branch = dict(tensors)
                 self._take_outputs(fork, item, branch)
-                error = await self._branch(request, branch, list(waiting), sink)
+                error = await self._branch(request, branch, list(waiting), outputs, sink)
                 if error is not None:
                     return error
         finally:
