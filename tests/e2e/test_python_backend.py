@@ -502,6 +502,19 @@ def test_generate_shapes_values_to_the_model_and_reports_model_errors(server: Pi
     r = requests.post(f"{url}/generate_stream", timeout=30,  # refused before it runs: a plain JSON error
                       json={"PROMPT": "x"})
     assert r.status_code == 400 and r.headers["Content-Type"].startswith("application/json"), r.text
+    # Triton's words (qa L0_http generate_endpoint_test compares them), on both endpoints
+    for body, text in (({"PROMPT": "hello", "STREAM": "false"}, "attempt to access JSON non-boolean as boolean"),
+                       ({"PROMPT": 123, "STREAM": False}, "attempt to access JSON non-string as string"),
+                       ({"STREAM": 123, "PROMPT": True}, "attempt to access JSON non-boolean as boolean"),
+                       ({"PROMPT": "x", "STREAM": True, "parameters": 1},
+                        "Expected JSON object for keyword: 'parameters'"),
+                       ({"PROMPT": "x", "STREAM": True, "parameters": {"nested": {"twice": 1}}},
+                        "Converting keyword: 'parameters': parameter 'nested' has invalid type."),
+                       ({"PROMPT": "x", "STREAM": True, "PARAMS": {"P": 0}}, "parameter 'PARAMS' has invalid type"),
+                       ({"abc": 123}, "expected number of inputs between 2 and 4 but got 0")):
+        for endpoint in ("generate", "generate_stream"):
+            r = requests.post(f"{url}/{endpoint}", json=body, timeout=30)
+            assert r.status_code == 400 and text in r.json()["error"], (endpoint, body, r.text)
 
 
 @pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])

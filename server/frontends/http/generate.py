@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pier.contract.errors import invalid_arg
+from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, Tensor
 from pier.datatypes import fill_variable_dim, numpy_dtype
 from pier.validation import check_parameters
@@ -60,8 +60,8 @@ def _tensor(name: str, datatype: str, value: Any, batching: bool, dims: list[int
                 raise ValueError("attempt to access JSON non-string as string")
             data = np.array([s.encode("utf-8") for s in values], dtype=object)
         elif datatype == "BOOL":
-            if not all(isinstance(v, bool) for v in values):
-                raise ValueError("expected true or false")
+            if not all(isinstance(v, bool) for v in values):  # Triton's words, then what is wanted
+                raise ValueError("attempt to access JSON non-boolean as boolean (expected true or false)")
             data = np.array(values, dtype=bool)
         else:
             if any(isinstance(v, (bool, str, dict, list)) or v is None for v in values):
@@ -83,17 +83,24 @@ def decode(model: str, version: str, doc: Any, metadata: dict[str, Any], batchin
     dims = {i["name"]: list(i["shape"]) for i in metadata["inputs"]}
     extra = doc.get("parameters", {})
     if not isinstance(extra, dict):
-        raise invalid_arg("generate: 'parameters' must be a JSON object")
+        raise invalid_arg("Expected JSON object for keyword: 'parameters'")  # Triton's words
     tensors: dict[str, Tensor] = {}
     params: dict[str, Any] = {}
     for source in ({k: v for k, v in doc.items() if k not in ("id", "parameters")}, extra):
+        found: dict[str, Any] = {}
         for key, value in source.items():
             if key in datatypes:
                 if key in tensors:  # top level and in `parameters`
                     raise invalid_arg(f"input '{key}' already exists in request")
                 tensors[key] = _tensor(key, datatypes[key], value, batching, dims[key])
             else:
-                params[key] = value
+                found[key] = value
+        if source is extra:
+            try:
+                check_parameters(found)
+            except PierError as exc:  # Triton names where the parameter came from
+                raise invalid_arg(f"Converting keyword: 'parameters': {exc.message}") from None
+        params.update(found)
     check_parameters(params)
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
