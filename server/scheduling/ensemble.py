@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
@@ -86,7 +87,7 @@ class EnsemblePlan:
         return self.optional_inputs - {t.name for t in request.inputs}
 
     @staticmethod
-    def ready(step: Step, tensors: dict[str, Tensor], absent: frozenset[str]) -> bool:
+    def ready(step: Step, tensors: dict[str, Tensor], absent: AbstractSet[str]) -> bool:
         return all(t in tensors or t in absent for _, t in step.inputs)
 
     @property
@@ -242,7 +243,7 @@ class EnsembleScheduler(Scheduler):
 
     async def _run(self, request: InferenceRequest) -> ExecuteResult:
         tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
-        absent = self._plan.absent(request)
+        absent = set(self._plan.absent(request))
         steps, outputs = self._plan.needed(request)
         waiting = list(steps)
         running: dict[asyncio.Task, Step] = {}
@@ -261,26 +262,28 @@ class EnsembleScheduler(Scheduler):
                         response = task.result()
                     except PierError as exc:
                         return self._failed(step, exc)
-                    self._take_outputs(step, response, tensors)
+                    self._take_outputs(step, response, tensors, absent)
         finally:
             for task in running:
                 task.cancel()
-        missing = [name for name, _ in outputs if name not in tensors]
-        if missing:
-            return invalid_arg(f"ensemble '{self._plan.name}': output '{missing[0]}' was not produced")
-        return Outputs([tensors[name] for name, _ in outputs], _sequence_parameters(request))
+        return Outputs([tensors[name] for name, _ in outputs if name in tensors], _sequence_parameters(request))
 
     def _failed(self, step: Step, exc: PierError) -> PierError:
         # Triton's prefix ("in ensemble 'name', <the step's error>"), naming the step as well
         return PierError(exc.code, f"in ensemble '{self._plan.name}', {step.label}: {exc.message}")
 
     @staticmethod
-    def _take_outputs(step: Step, response: InferenceResponse, tensors: dict[str, Tensor]) -> None:
+    def _take_outputs(step: Step, response: InferenceResponse, tensors: dict[str, Tensor], absent: set[str]) -> None:
+        """The step's outputs become ensemble tensors. As Triton: an output the model did not
+        produce is absent, so the steps that read it run without it (an optional input there,
+        else their model refuses the request), and an ensemble output it was is left out."""
         by_name = {t.name: t for t in response.outputs}
         for model_output, tensor in step.outputs:
             out = by_name.get(model_output)
             if out is not None:
                 tensors[tensor] = Tensor(tensor, out.datatype, list(out.shape), out.data)
+            else:
+                absent.add(tensor)
 
     async def _run_decoupled(self, request: InferenceRequest) -> ExecuteResult:
         """An ensemble with decoupled steps streams, as Triton's does: each response of a decoupled
@@ -291,18 +294,19 @@ class EnsembleScheduler(Scheduler):
         if sink is None or self._stream is None:
             return internal(f"ensemble '{self._plan.name}' has decoupled steps: it answers through a stream")
         steps, outputs = self._plan.needed(request)
-        error = await self._branch(request, {t.name: t for t in request.inputs}, list(steps), outputs, sink)
+        error = await self._branch(request, {t.name: t for t in request.inputs}, set(self._plan.absent(request)),
+                                   list(steps), outputs, sink)
         if error is not None:
             return error
         sink(None, True)
         return Outputs([])
 
-    async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], waiting: list[Step],
-                      outputs: tuple[tuple[str, str], ...], sink: ResponseSink) -> PierError | None:
+    async def _branch(self, request: InferenceRequest, tensors: dict[str, Tensor], absent: set[str],
+                      waiting: list[Step], outputs: tuple[tuple[str, str], ...],
+                      sink: ResponseSink) -> PierError | None:
         """Run what `tensors` allows: the ordinary steps first (each once), then fork at the next
         decoupled step, one branch per response."""
         assert self._stream is not None
-        absent = self._plan.absent(request)
         while ready := [s for s in waiting if not s.decoupled and self._plan.ready(s, tensors, absent)]:
             for step in ready:
                 waiting.remove(step)
@@ -313,15 +317,13 @@ class EnsembleScheduler(Scheduler):
                     return self._failed(step, result)
                 if isinstance(result, BaseException):
                     raise result
-                self._take_outputs(step, result, tensors)
+                self._take_outputs(step, result, tensors, absent)
         fork = next((s for s in waiting if self._plan.ready(s, tensors, absent)), None)
         if fork is None:
-            missing = [name for name, _ in outputs if name not in tensors]
-            if missing or waiting:
-                what = f"output '{missing[0]}' was not produced" if missing else \
-                    f"{waiting[0].label} never received its inputs"
-                return invalid_arg(f"ensemble '{self._plan.name}': {what}")
-            sink(Outputs([tensors[name] for name, _ in outputs], _sequence_parameters(request)), False)
+            if waiting:
+                return invalid_arg(f"ensemble '{self._plan.name}': {waiting[0].label} never received its inputs")
+            sink(Outputs([tensors[name] for name, _ in outputs if name in tensors], _sequence_parameters(request)),
+                 False)
             return None
         waiting.remove(fork)
         stream = self._stream(self._step_request(fork, request, tensors))
@@ -333,9 +335,9 @@ class EnsembleScheduler(Scheduler):
                     return self._failed(fork, item)
                 if not item.outputs:  # the step's flag-only final response
                     continue
-                branch = dict(tensors)
-                self._take_outputs(fork, item, branch)
-                error = await self._branch(request, branch, list(waiting), outputs, sink)
+                branch, branch_absent = dict(tensors), set(absent)
+                self._take_outputs(fork, item, branch, branch_absent)
+                error = await self._branch(request, branch, branch_absent, list(waiting), outputs, sink)
                 if error is not None:
                     return error
         finally:
