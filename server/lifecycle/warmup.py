@@ -23,17 +23,24 @@ def _tensor(name: str, spec_input: mc.ModelWarmup.Input, shape: list[int], model
             rng: np.random.Generator) -> Tensor:
     datatype = datatypes.config_to_datatype(mc.DataType.Name(spec_input.data_type))
     which = spec_input.WhichOneof("input_data_type")
-    count = datatypes.element_count(shape)
     if which == "input_data_file":
+        # As Triton: the file holds one sample (the input's dims), which every request of the
+        # batch repeats; a longer file's first bytes are used.
         path = model_dir / "warmup" / spec_input.input_data_file
         try:
             raw = path.read_bytes()
         except OSError as exc:
             raise invalid_arg(f"warmup input '{name}': cannot read {path}: {exc}") from None
+        dims = list(spec_input.dims)
         if datatype == "BYTES":
-            data = datatypes.deserialize_bytes(raw, count, name).reshape(shape)
+            sample = datatypes.deserialize_bytes(raw, datatypes.element_count(dims), name).reshape(dims)
         else:
-            data = datatypes.from_raw(raw, datatype, shape, name)
+            size = datatypes.element_count(dims) * datatypes.numpy_dtype(datatype).itemsize
+            if len(raw) < size:  # Triton's words
+                raise invalid_arg(f"warmup setting expects {size} bytes, but the data provided from "
+                                  f"{spec_input.input_data_file} only has {len(raw)} bytes")
+            sample = datatypes.from_raw(raw[:size], datatype, dims, name)
+        data = np.broadcast_to(sample, shape).copy() if len(shape) > len(dims) else sample
     elif datatype == "BYTES":
         fill = b"" if which != "random_data" else b"warmup"
         data = np.full(shape, fill, dtype=object)

@@ -353,7 +353,7 @@ def test_control_calls_are_refused_outside_explicit_mode(repo: Path, tmp_path: P
         assert server.stop() == 0
 
 
-def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http) -> None:
+def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http, repo: Path) -> None:
     def warmup(inputs: dict) -> str:
         return json.dumps({"max_batch_size": 8, "model_warmup": [
             {"name": "sample", "batch_size": 2, "count": 3, "inputs": inputs}]})
@@ -373,6 +373,19 @@ def test_model_warmup_runs_before_the_version_serves(server: PierProcess, http) 
         http.load_model("other", config=warmup({"X": {"data_type": "TYPE_FP32", "dims": [4],
                                                       "input_data_file": "missing.bin"}}))
     assert np.allclose(add_infer(http, "other")[1], X + 10)  # the failed reloads left it serving
+    # As Triton: an input_data_file holds one sample (the dims), which every request of the batch
+    # repeats; a file shorter than a sample is refused in Triton's words.
+    warm = repo / "other" / "warmup"
+    warm.mkdir(exist_ok=True)
+    (warm / "one.bin").write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    (warm / "short.bin").write_bytes(np.arange(2, dtype=np.float32).tobytes())
+    one = {"X": {"data_type": "TYPE_FP32", "dims": [4], "input_data_file": "one.bin"}}
+    http.load_model("other", config=warmup(one))
+    with pytest.raises(InferenceServerException,
+                       match="warmup setting expects 16 bytes, but the data provided from short.bin only has 8 bytes"):
+        http.load_model("other", config=warmup({"X": {"data_type": "TYPE_FP32", "dims": [4],
+                                                      "input_data_file": "short.bin"}}))
+    assert np.allclose(add_infer(http, "other")[1], X + 10)
     http.load_model("other")
 
 
