@@ -37,6 +37,7 @@ class ModelEntry:
     override_dir: Path | None = None  # temporary folder holding files sent in a load request
     override: LoadOverride | None = None
     dependents: set[str] = field(default_factory=set)  # composing models this one loaded
+    awaiting: set[str] = field(default_factory=set)  # composing models whose unload took this ensemble down
     removed: bool = False  # its folder is gone (poll): hidden from the index once drained
 
 
@@ -93,6 +94,19 @@ class RepositoryManager:
                                           chain=(*_chain, name))
         if error:
             raise invalid_arg(f"failed to load '{name}': {error}")
+        await self._revive(name)
+
+    async def _revive(self, name: str) -> None:
+        """As Triton: an ensemble that went down because `name` was unloaded comes back once
+        `name` (and every other composing model it lost) serves again."""
+        for entry in [e for e in self._entries.values() if name in e.awaiting]:
+            entry.awaiting.discard(name)
+            if not entry.awaiting:
+                log.info("'%s' is back: reloading the ensemble '%s'", name, entry.name)
+                try:
+                    await self.load(entry.name)
+                except PierError as exc:
+                    log.error("%s", exc.message)
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
         """Stop routing to every version of `name`; each finishes its in-flight requests in the
@@ -110,10 +124,13 @@ class RepositoryManager:
             self.lifecycle.forget_error(record)
             await self._drop_override(entry)
             dependents, entry.dependents = entry.dependents, set()
+            entry.awaiting.clear()  # unloaded on purpose: nothing brings it back
         log.info("unloading '%s'", name)
-        # As Triton: an ensemble that composes this model cannot serve without it, so it goes too.
+        # As Triton: an ensemble that composes this model cannot serve without it, so it goes too,
+        # and comes back when the model does (`_revive`).
         for other in sorted(self._ensembles_using(name)):
             await self.unload(other)
+            self._entry(other).awaiting.add(name)
         if unload_dependents:
             # As Triton: the models this ensemble composes (or whose load it started) go too,
             # unless another loaded ensemble still uses them.
@@ -177,7 +194,10 @@ class RepositoryManager:
             if await self._fingerprint(entry, src) == entry.disk_fingerprint:
                 return ""
             error = await self._reconcile(entry, src, None, force=False, sources=sources, chain=(name,))
-        return f"failed to load '{name}': {error}" if error else ""
+        if error:
+            return f"failed to load '{name}': {error}"
+        await self._revive(name)
+        return ""
 
     async def unload_all(self) -> None:
         for record in self.lifecycle.records():

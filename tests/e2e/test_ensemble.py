@@ -183,6 +183,14 @@ def test_explicit_mode_loads_composing_models(tmp_path: Path) -> None:
         client.unload_model("simple")
         assert not client.is_model_ready("simple") and not client.is_model_ready("graph")
         wait_for(lambda: index(server)[("graph", "1")] == ("UNAVAILABLE", "unloaded"), what="graph unloaded")
+        # ... and, as Triton 2.51 (probed), loading the composing model again brings them back;
+        # an ensemble unloaded on purpose stays unloaded
+        client.load_model("simple")
+        assert client.is_model_ready("graph") and not client.is_model_ready("graph2")
+        client.unload_model("graph")
+        client.unload_model("simple")
+        client.load_model("simple")
+        assert not client.is_model_ready("graph")
     finally:
         assert server.stop() == 0
 
