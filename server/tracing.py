@@ -112,6 +112,7 @@ class _Scope:
     def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
         self.seen = 0  # requests since the rate was set
+        self.own_count = False  # a model scope: its trace_count was set for it (else the global one's copy)
 
 
 class Tracer:
@@ -157,11 +158,18 @@ class Tracer:
                     scope.values.pop(key, None)
                 else:
                     scope.values[key] = value
+            if "trace_count" in checked:
+                scope.own_count = checked["trace_count"] is not None
+                scope.values.setdefault("trace_count", self._global.values["trace_count"])
             scope.seen = 0
         else:
             for key, value in checked.items():
                 self._global.values[key] = DEFAULTS[key] if value is None else value
             self._global.seen = 0
+            if "trace_count" in checked:  # as Triton: models that did not set their own get the new count
+                for scope in self._models.values():
+                    if not scope.own_count:
+                        scope.values["trace_count"] = self._global.values["trace_count"]
         self.on = self._active()
         return self.settings(model)
 

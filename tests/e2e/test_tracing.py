@@ -122,6 +122,28 @@ def test_a_model_override_traces_grpc_requests_with_tensors(server):
     assert _settings(server, "simple") == _settings(server)
 
 
+def test_a_model_override_inherits_the_global_settings_it_does_not_set(server):
+    """As Triton 2.51 (probed): a model that overrides trace_rate follows later global changes of
+    the other keys, trace_count included, until it sets them itself."""
+    before = _settings(server)
+    try:
+        assert _update(server, {"trace_rate": "3"}, model="identity_fp32").status_code == 200
+        assert _update(server, {"trace_count": "7", "log_frequency": "2"}).status_code == 200
+        got = _settings(server, "identity_fp32")
+        assert (got["trace_rate"], got["trace_count"], got["log_frequency"]) == ("3", "7", "2"), got
+        _update(server, {"trace_count": "2"}, model="identity_fp32")
+        _update(server, {"trace_count": "9"})
+        assert _settings(server, "identity_fp32")["trace_count"] == "2"  # its own, now
+        _update(server, {"trace_count": None}, model="identity_fp32")
+        assert _settings(server, "identity_fp32")["trace_count"] == "9"
+        _update(server, {"trace_count": "4"})
+        assert _settings(server, "identity_fp32")["trace_count"] == "4"
+    finally:
+        _update(server, {"trace_rate": None, "trace_count": None}, model="identity_fp32")
+        _update(server, {k: before[k] for k in ("trace_count", "log_frequency", "trace_rate")})
+    assert _settings(server) == before
+
+
 def test_requests_on_a_grpc_stream_are_traced_like_single_calls(server):
     r = _update(server, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}, model="simple")
     assert r.status_code == 200, r.text
