@@ -129,6 +129,44 @@ def test_grpc_stream_sequence(server) -> None:
     assert sorted(float(r.as_numpy("OUTPUT")[0, 0]) for r, _ in got) == [2.0, 5.0, 9.0]
 
 
+def test_sequences_a_model_keys_by_corrid_stay_apart_in_shared_batches(tmp_path) -> None:
+    """The client examples' -d runs (simple_grpc_sequence_stream_infer_client.py): interleaved
+    sequences with string IDs share batches of a model that keeps each one's sum under the CORRID
+    its row carries; every answer must be its own sequence's."""
+    import shutil
+    from pathlib import Path
+
+    repo = tmp_path / "repo"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "python_models" / "dyna_sequence_py",
+                    repo / "dyna_sequence_py")
+    proc = start_pier([repo], log_path=tmp_path / "pier.log")
+    values = [11, 7, 5, 3, 2, 0, 1]
+    sequences = {"1000": [0, *values], "1001": [100, *(-v for v in values)], "1002": [20, *(-v for v in values)]}
+    g = grpcclient.InferenceServerClient(proc.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    g.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for k in range(len(values) + 1):  # one request of each sequence in turn
+            for seq, sent in sequences.items():
+                i = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                i.set_data_from_numpy(np.array([[sent[k]]], np.int32))
+                g.async_stream_infer("dyna_sequence_py", [i], request_id=f"{seq}:{k}", sequence_id=seq,
+                                     sequence_start=k == 0, sequence_end=k == len(values))
+        got: dict[str, dict[int, int]] = {seq: {} for seq in sequences}
+        for _ in range(3 * (len(values) + 1)):
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            seq, k = result.get_response().id.split(":")
+            got[seq][int(k)] = int(result.as_numpy("OUTPUT")[0, 0])
+    finally:
+        g.stop_stream()
+        assert proc.stop() == 0
+    for seq, sent in sequences.items():
+        expected = list(np.cumsum(sent))
+        expected[-1] += int(seq)
+        assert [got[seq][k] for k in range(len(sent))] == expected, (seq, got[seq])
+
+
 def infer_json(server, params: dict | None, rows: int = 1) -> requests.Response:
     body: dict = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [rows, 1], "data": [1.0] * rows}]}
     if params is not None:
