@@ -52,7 +52,8 @@ class PierServer:
         self.lifecycle = ModelLifecycle(routes, services, settings.model_load_thread_count,
                                         keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies)
         self.manager = RepositoryManager(self.lifecycle, list(settings.model_repositories),
-                                         settings.auto_complete_config, config_name=settings.model_config_name)
+                                         settings.auto_complete_config, config_name=settings.model_config_name,
+                                         namespacing=settings.model_namespacing)
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []

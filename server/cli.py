@@ -84,6 +84,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
     flag("--id", default=SERVER_NAME, help="server name reported in server metadata (Triton's default: its client "
          "examples check it; --id pier names Pier)")
+    flag("--model-namespacing", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+         help="each model repository is a namespace: the same model name may live in several, an ensemble "
+         "calls the composing models of its own repository first, and a name in several answers as ambiguous")
     flag("--model-config-name", default="", metavar="NAME",
          help="use <model>/configs/NAME.pbtxt instead of config.pbtxt where a model has one")
     for name in ("reuse-http-port", "reuse-grpc-port", "grpc-use-ssl", "grpc-use-ssl-mutual"):
@@ -122,7 +125,7 @@ GRPC_OPTIONS = {
 }
 
 # tritonserver flags that have nothing to act on in Pier (backends are built in; no pinned or CUDA
-# memory pools, rate limiter or namespacing): accepted and named in a warning.
+# memory pools or rate limiter): accepted and named in a warning.
 IGNORED_FLAGS = (
     "backend-directory", "backend-config", "repoagent-directory", "pinned-memory-pool-byte-size",
     "cuda-memory-pool-byte-size", "cuda-virtual-address-size", "min-supported-compute-capability",
@@ -130,7 +133,6 @@ IGNORED_FLAGS = (
     "cache-directory", "http-thread-count", "grpc-infer-allocation-pool-size",
     "grpc-max-response-pool-size", "grpc-infer-response-compression-level", "model-load-retry-count",
     "allow-sagemaker", "allow-vertex-ai",
-    "model-namespacing",
 )
 
 
@@ -237,6 +239,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         allow_cpu_metrics=args.allow_cpu_metrics,
         server_id=args.id,
         model_config_name=args.model_config_name,
+        model_namespacing=args.model_namespacing,
         http_restricted_api=tuple(args.http_restricted_api),
         response_cache_bytes=cache_bytes,
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),

@@ -105,7 +105,7 @@ class DataPlane:
     def describe(self, model: LoadedModel, all_versions: bool = False) -> dict[str, Any]:
         """Metadata of a resolved model version (`all_versions`: list every READY version)."""
         spec = model.spec
-        versions = [str(v) for v in self._routes.ready_versions(spec.name)] if all_versions else [model.version_str]
+        versions = [str(v) for v in self._routes.ready_versions(model.key)] if all_versions else [model.version_str]
         return {
             "name": spec.name,
             "versions": versions,

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from pier.contract.errors import invalid_arg, not_found, unavailable
 from pier.lifecycle.loaded_model import LoadedModel
-from pier.repository.source import is_version
+from pier.repository.source import is_version, model_name
 
 _EMPTY: Mapping[int, LoadedModel] = MappingProxyType({})
 
@@ -60,17 +60,18 @@ class Route:
         if version:
             v = int(version)
             if v not in self.versions:
-                raise not_found(f"Request for unknown model: '{self.name}' version {version} is not found")
+                raise not_found(f"Request for unknown model: '{model_name(self.name)}' version {version} is not found")
             model = self.ready.get(v)
             if model is None:
-                raise unavailable(f"Request for unknown model: '{self.name}' version {version} is not at ready state")
+                raise unavailable(f"Request for unknown model: '{model_name(self.name)}' version {version} is not "
+                                  "at ready state")
             return model
         if self.weighted:
             i = bisect.bisect_right(self.cumulative, random.random() * self.cumulative[-1])
             return self.weighted[min(i, len(self.weighted) - 1)]
         newest = self.newest
         if newest is None:
-            raise not_found(f"Request for unknown model: '{self.name}' has no available versions")
+            raise not_found(f"Request for unknown model: '{model_name(self.name)}' has no available versions")
         return newest
 
     def traffic(self) -> dict[int, float]:
@@ -91,12 +92,41 @@ class RoutingTable:
 
     def __init__(self) -> None:
         self._routes: dict[str, Route] = {}
+        self._keys: dict[str, set[str]] = {}  # --model-namespacing: model name -> the keys that hold it
 
     def publish(self, route: Route) -> None:
         self._routes[route.name] = route
+        name = model_name(route.name)
+        if name != route.name:
+            self._keys.setdefault(name, set()).add(route.name)
 
     def route(self, name: str) -> Route | None:
         return self._routes.get(name)
+
+    def key(self, name: str) -> str:
+        """The key a model name (or key) reaches. With --model-namespacing a name reaches the one
+        namespace that serves it; a name in several is ambiguous (Triton's words), and a key whose
+        namespace lost the model falls back to its name (an ensemble step then calls the other
+        namespace's model, as Triton re-links it)."""
+        route = self._routes.get(name)
+        if route is not None and route.ready:
+            return name
+        plain = model_name(name)
+        keys = self._keys.get(plain)
+        if keys:
+            serving = sorted(k for k in keys if self._routes[k].ready)
+            if len(serving) == 1:
+                return serving[0]
+            known = serving or ([] if route is not None and route.known else sorted(k for k in keys
+                                                                                      if self._routes[k].known))
+            if len(known) > 1:
+                raise invalid_arg(f"There are {len(known)} identifiers of model '{plain}' in global map, model "
+                                  "namespace must be provided to resolve ambiguity.")
+            if known:
+                return known[0]
+        if route is not None and route.known:
+            return name
+        raise not_found(f"Request for unknown model: '{plain}' is not found")
 
     def resolve(self, name: str, version: str = "") -> LoadedModel:
         """The one routing decision of a request (an empty name is an unknown model, as in Triton)."""
@@ -104,8 +134,8 @@ class RoutingTable:
             raise invalid_arg(f"failed to get model version from specified version string '{version}' "
                               "(details: stol), version should be an integral value > 0")
         route = self._routes.get(name)
-        if route is None or not route.known:
-            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if route is None or not route.ready:
+            route = self._routes[self.key(name)]
         return route.pick(version)
 
     def ready_versions(self, name: str) -> list[int]:

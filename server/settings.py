@@ -41,6 +41,7 @@ class Settings:
     allow_cpu_metrics: bool = True
     server_id: str = SERVER_NAME  # --id: the name server metadata reports
     model_config_name: str = ""  # --model-config-name: use configs/<name>.pbtxt where a model has it
+    model_namespacing: bool = False  # --model-namespacing: each repository is a namespace
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False
     grpc_ssl: GrpcSsl | None = None

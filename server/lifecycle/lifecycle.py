@@ -26,6 +26,7 @@ from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
 from pier.protocol import model_config_pb2 as mc
+from pier.repository import source
 from pier.repository.disk import ModelOnDisk
 from pier.routing import Route, RoutingTable
 from pier.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
@@ -110,7 +111,7 @@ class ModelLifecycle:
             if vr.loaded is None:
                 vr.state, vr.reason = ModelState.LOADING, ""
         self.publish(record)
-        results = await asyncio.gather(*(self._load_version(disk, v) for v in targets))
+        results = await asyncio.gather(*(self._load_version(record.name, disk, v) for v in targets))
         loaded = {v: r for v, r in zip(targets, results) if isinstance(r, LoadedModel)}
         failed = {v: r for v, r in zip(targets, results) if isinstance(r, str)}
         if failed:
@@ -200,11 +201,17 @@ class ModelLifecycle:
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    async def _load_version(self, disk: ModelOnDisk, version: int) -> LoadedModel | str:
+    async def _load_version(self, key: str, disk: ModelOnDisk, version: int) -> LoadedModel | str:
+        loaded = await self._load_one(key, disk, version)
+        if isinstance(loaded, LoadedModel):
+            loaded.key = key
+        return loaded
+
+    async def _load_one(self, key: str, disk: ModelOnDisk, version: int) -> LoadedModel | str:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         if disk.entry is backend_registry.ENSEMBLE:
-            return self._load_ensemble(disk.spec, disk.config, version)
+            return self._load_ensemble(key, disk.spec, disk.config, version)
         async with self._load_slots:
             try:
                 backend = backend_registry.get_backend(disk.entry)
@@ -226,9 +233,16 @@ class ModelLifecycle:
         model.load_duration_s = time.perf_counter() - start
         return model
 
-    def _load_ensemble(self, spec: ModelSpec, config: mc.ModelConfig, version: int) -> LoadedModel | str:
+    def _load_ensemble(self, key: str, spec: ModelSpec, config: mc.ModelConfig, version: int) -> LoadedModel | str:
+        ns = source.namespace(key)
+
+        def qualified(name: str) -> str:  # --model-namespacing: the ensemble's own namespace first
+            return f"{ns}/{name}" if ns else name
+
         try:
-            plan = build_plan(config, spec, self._spec_of)
+            plan = build_plan(config, spec, lambda name, v: self._spec_of(qualified(name), v))
+            plan = dataclasses.replace(plan, steps=tuple(dataclasses.replace(s, model=qualified(s.model))
+                                                         for s in plan.steps))
             spec = self._inherit_labels(spec, plan)
         except PierError as exc:
             return exc.message
@@ -254,7 +268,12 @@ class ModelLifecycle:
 
     def _spec_of(self, name: str, version: str) -> ModelSpec:
         """The spec requests to (name, version) would use now (ensemble validation)."""
+        try:
+            name = self._routes.key(name)  # --model-namespacing: the namespace that holds it
+        except PierError:
+            pass
         ready = self.ready(name)
+        name = source.model_name(name)
         if not ready:
             raise not_found(f"model '{name}' has no READY version")
         if version:

@@ -36,6 +36,12 @@ class LoadedModel:
         self.load_duration_s = 0.0  # nv_model_load_duration_secs
         self.load_id = next(_load_ids)  # tells this load apart from a reload of the same version
         self.instances: list[ModelInstance] = []  # backend instances (none for ensembles)
+        self.key = spec.name  # its routing key: the name, or with --model-namespacing "<repository>/<name>"
+
+    @property
+    def namespace(self) -> str:
+        """--model-namespacing: the repository it came from ("" without namespacing)."""
+        return self.key.rpartition("/")[0]
 
     async def stop(self) -> None:
         await self.scheduler.stop()

@@ -68,8 +68,15 @@ def _quantiles(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-def _labels(model: LoadedModel) -> str:
-    return f'model="{model.spec.name}",version="{model.version_str}"'
+def _labels(model: LoadedModel, extra: str = "") -> str:
+    """model, [namespace (--model-namespacing: its repository),] [extra,] version: prometheus-cpp's
+    sorted order, as Triton exports them."""
+    namespace = f',namespace="{model.namespace}"' if model.namespace else ""
+    return f'model="{model.spec.name}"{namespace}{extra},version="{model.version_str}"'
+
+
+def _reason(reason: str) -> str:
+    return f',reason="{reason}"'
 
 
 _COUNTERS: tuple[tuple[str, str, Callable[[LoadedModel], int]], ...] = (
@@ -192,7 +199,7 @@ class MetricsRenderer:
         parts = []
         for name, help_text, get in _COUNTERS[:1]:
             parts.append(family(name, "counter", help_text, [f"{name}{{{_labels(m)}}} {get(m)}\n" for m in models]))
-        rows = [f'nv_inference_request_failure{{model="{m.spec.name}",reason="{r}",version="{m.version_str}"}} '
+        rows = [f"nv_inference_request_failure{{{_labels(m, _reason(r))}}} "
                 f"{m.stats.failures[r]}\n" for m in models for r in FAILURE_REASONS]
         parts.append(family("nv_inference_request_failure", "counter",
                             "Number of failed inference requests, all batch sizes", rows))
@@ -213,11 +220,11 @@ class MetricsRenderer:
                             [f"nv_model_load_duration_secs{{{_labels(m)}}} {m.load_duration_s:.6f}\n"
                               for m in models]))
         if self._traffic is not None:
-            split = {name: self._traffic(name) for name in {m.spec.name for m in models}}
+            split = {key: self._traffic(key) for key in {m.key for m in models}}
             parts.append(family(
                 "pier_model_traffic_percent", "gauge",
                 "Percent of unversioned requests routed to each version (rollout weights, else newest READY)",
-                [f"pier_model_traffic_percent{{{_labels(m)}}} {split[m.spec.name].get(m.version, 0.0):g}\n"
+                [f"pier_model_traffic_percent{{{_labels(m)}}} {split[m.key].get(m.version, 0.0):g}\n"
                  for m in models]))
         for m in models:  # backend families (e.g. the LLM engine's vllm:* metrics)
             for instance in m.instances:

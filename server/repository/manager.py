@@ -43,8 +43,9 @@ class ModelEntry:
 
 class RepositoryManager:
     def __init__(self, lifecycle: ModelLifecycle, repositories: list[Path], auto_complete: bool,
-                 config_name: str = "") -> None:
+                 config_name: str = "", namespacing: bool = False) -> None:
         self.lifecycle = lifecycle
+        self._namespacing = namespacing  # --model-namespacing: keys are "<repository>/<name>"
         self._repositories = repositories
         self._config_name = config_name  # --model-config-name: configs/<name>.pbtxt when a model has one
         self._auto_complete = auto_complete
@@ -61,7 +62,29 @@ class RepositoryManager:
         return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
     async def _scan(self) -> dict[str, source.ModelSource]:
-        return await self._off_loop(source.scan, self._repositories)
+        return await self._off_loop(source.scan, self._repositories, self._namespacing)
+
+    def _keys(self, name: str, sources: dict[str, source.ModelSource]) -> list[str]:
+        """The models a control call names: the name itself, or with namespacing every namespace's
+        model of that name (as Triton loads and unloads them all)."""
+        if not self._namespacing or name in sources or name in self._entries:
+            return [name]
+        keys = {k for k in sources if source.model_name(k) == name}
+        keys |= {k for k in self._entries if source.model_name(k) == name}
+        return sorted(keys) or [name]
+
+    def _dependency_key(self, key: str, dep: str, sources: dict[str, source.ModelSource] | None) -> str:
+        """An ensemble's composing model: with namespacing, the one in the ensemble's namespace,
+        else the only one of that name (several: the first, and routing reports the ambiguity)."""
+        ns = source.namespace(key)
+        if not ns:
+            return dep
+        own = f"{ns}/{dep}"
+        known = set(sources or ()) | set(self._entries)
+        if own in known and (sources is None or own in sources):
+            return own
+        others = sorted(k for k in (sources or known) if source.model_name(k) == dep)
+        return others[0] if others else own
 
     # ---- operations ----------------------------------------------------------------------
 
@@ -85,6 +108,12 @@ class RepositoryManager:
         PierError naming the model when it fails; what served before keeps serving."""
         if sources is None:
             sources = await self._scan()
+        keys = self._keys(name, sources)
+        if len(keys) > 1:  # --model-namespacing: the name is in several namespaces: load each
+            for key in keys:
+                await self.load(key, override, sources, _chain)
+            return
+        name = keys[0]
         src = sources.get(name)
         if src is None and (override is None or not override.files):
             raise invalid_arg(f"failed to load '{name}': model not found in any model repository")
@@ -111,6 +140,12 @@ class RepositoryManager:
     async def unload(self, name: str, unload_dependents: bool = False) -> None:
         """Stop routing to every version of `name`; each finishes its in-flight requests in the
         background. Unloading a model that is not loaded succeeds (as Triton)."""
+        keys = self._keys(name, {})
+        if len(keys) > 1:
+            for key in keys:
+                await self.unload(key, unload_dependents)
+            return
+        name = keys[0]
         entry = self._entries.get(name)
         if entry is None:
             return
@@ -134,14 +169,15 @@ class RepositoryManager:
         if unload_dependents:
             # As Triton: the models this ensemble composes (or whose load it started) go too,
             # unless another loaded ensemble still uses them.
-            for dep in sorted(dependents | composing):
+            for dep in sorted(dependents | {self._dependency_key(name, d, None) for d in composing}):
                 if not self._ensembles_using(dep):
                     await self.unload(dep, unload_dependents=True)
 
     def _ensembles_using(self, name: str) -> set[str]:
         """Models with a READY version that is an ensemble composing `name`."""
         return {r.name for r in self.lifecycle.records() if r.name != name
-                and any(name in disk.dependencies(m.config) for m in r.ready().values())}
+                and any(self._dependency_key(r.name, d, None) == name
+                        for m in r.ready().values() for d in disk.dependencies(m.config))}
 
     async def load_version(self, name: str, version: int) -> None:
         """Serve `version` beside what serves now: the versions serving stay (pinned, as if loaded
@@ -219,11 +255,11 @@ class RepositoryManager:
                 continue
             if record is None or (not record.versions and not record.error):
                 if not ready_only:
-                    rows.append({"name": name})
+                    rows.append({"name": source.model_name(name)})
                 continue
             if not record.versions:
                 if not ready_only:
-                    rows.append({"name": name, "state": "UNAVAILABLE", "reason": record.error})
+                    rows.append({"name": source.model_name(name), "state": "UNAVAILABLE", "reason": record.error})
                 continue
             rows.extend(self._version_rows(record, ready_only))
         return rows
@@ -234,7 +270,7 @@ class RepositoryManager:
         for v, vr in sorted(record.versions.items()):
             if ready_only and vr.state is not ModelState.READY:
                 continue
-            row = {"name": record.name, "version": str(v), "state": vr.state.value}
+            row = {"name": source.model_name(record.name), "version": str(v), "state": vr.state.value}
             reason = vr.reason
             if vr.state is ModelState.READY and split:
                 reason = f"traffic {split.get(v, 0.0):g}%"
@@ -261,7 +297,8 @@ class RepositoryManager:
         try:
             path = await self._materialize(entry, src, override)
             fingerprint = await self._fingerprint(entry, src)
-            on_disk = await self._off_loop(disk.read_model, entry.name, path, override, self._config_name,
+            on_disk = await self._off_loop(disk.read_model, source.model_name(entry.name), path, override,
+                                           self._config_name,
                                            self._auto_complete, set(entry.pinned), set(entry.excluded))
         except PierError as exc:
             entry.disk_fingerprint = await self._fingerprint(entry, src)
@@ -279,7 +316,7 @@ class RepositoryManager:
     async def _load_dependencies(self, entry: ModelEntry, deps: list[str],
                                  sources: dict[str, source.ModelSource] | None, chain: tuple[str, ...]) -> str:
         """Ensembles: load the composing models that are not loaded yet (explicit mode)."""
-        for dep in deps:
+        for dep in (self._dependency_key(entry.name, d, sources) for d in deps):
             if dep in chain:
                 return f"ensemble dependency cycle: {' -> '.join((*chain, dep))}"
             if self.lifecycle.ready(dep):
@@ -296,7 +333,7 @@ class RepositoryManager:
         """The folder this load reads: the repository's, or a temporary one holding the files a
         load request sent."""
         if override is not None and override.files:  # the control plane checked they come with a config
-            root = await self._off_loop(disk.write_override, entry.name, override.files)
+            root = await self._off_loop(disk.write_override, source.model_name(entry.name), override.files)
             await self._drop_override(entry)
             entry.override_dir, entry.override = root, override
             return root

@@ -8,9 +8,24 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ModelSource:
-    name: str
+    name: str  # the model's key: its name, or with namespacing its folder's path (see `model_name`)
     path: Path  # <repository>/<model>
     duplicate_of: Path | None = None  # set when the same name exists in two repositories
+
+    @property
+    def model_name(self) -> str:
+        return self.path.name
+
+
+def model_name(key: str) -> str:
+    """The model name in a key: keys are names, or with --model-namespacing "<repository>/<name>"
+    (a model name has no '/')."""
+    return key.rpartition("/")[2]
+
+
+def namespace(key: str) -> str:
+    """The namespace (repository path) in a key; "" without namespacing."""
+    return key.rpartition("/")[0]
 
 
 def config_file(model_path: Path, config_name: str = "") -> Path:
@@ -23,15 +38,18 @@ def config_file(model_path: Path, config_name: str = "") -> Path:
     return model_path / "config.pbtxt"
 
 
-def scan(repositories: list[Path]) -> dict[str, ModelSource]:
-    """Every model folder in every repository. A name found twice is kept but marked, so the
-    manager can report it unavailable (as Triton does) instead of picking one silently."""
+def scan(repositories: list[Path], namespacing: bool = False) -> dict[str, ModelSource]:
+    """Every model folder in every repository, by key. A name found twice is kept but marked, so
+    the manager can report it unavailable (as Triton does) instead of picking one silently; with
+    namespacing each repository is a namespace, and keys are the folders' paths."""
     found: dict[str, ModelSource] = {}
     for repo in repositories:
         for entry in sorted(repo.iterdir()):
             if not entry.is_dir() or entry.name.startswith("."):
                 continue
-            if entry.name in found:
+            if namespacing:
+                found[str(entry)] = ModelSource(str(entry), entry)
+            elif entry.name in found:
                 found[entry.name] = ModelSource(entry.name, found[entry.name].path, duplicate_of=entry)
             else:
                 found[entry.name] = ModelSource(entry.name, entry)

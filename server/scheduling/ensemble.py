@@ -44,7 +44,7 @@ class Step:
 
     @property
     def label(self) -> str:
-        return f"step {self.index} (model '{self.model}')"
+        return f"step {self.index} (model '{self.model.rpartition('/')[2]}')"  # a namespaced key: its name
 
 
 @dataclass(frozen=True)
