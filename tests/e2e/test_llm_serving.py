@@ -474,6 +474,45 @@ def _aborted(server: PierProcess) -> float:
                       if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line))
 
 
+# Fields Pier does not implement (OpenAI's, vLLM's extra_body ones, typos): each a 400 naming it,
+# never a 200 with the field ignored (issue 23); (endpoint, field, value).
+UNIMPLEMENTED_FIELDS = [
+    ("chat", "structured_outputs", {"json": {"type": "object"}}),
+    ("completions", "guided_json", {"type": "object"}),
+    ("chat", "guided_regex", "a+"),
+    ("chat", "guided_choice", ["a", "b"]),
+    ("completions", "guided_grammar", "root ::= 'a'"),
+    ("chat", "lora_name", "adapter"),
+    ("completions", "mm_processor_kwargs", {}),
+    ("chat", "prediction", {"type": "content", "content": "x"}),
+    ("chat", "audio", {"voice": "alloy"}),
+    ("chat", "web_search_options", {}),
+    ("completions", "temprature", 0.5),  # a typo is not silently sampled at the default
+    ("chat", "priority", 5),
+    ("completions", "best_of", 3),
+    ("chat", "store", True),
+    ("chat", "service_tier", "flex"),
+]
+
+
+@pytest.mark.parametrize("endpoint,field,value", UNIMPLEMENTED_FIELDS, ids=[f[1] for f in UNIMPLEMENTED_FIELDS])
+def test_unimplemented_fields_are_refused_by_name(server: PierProcess, endpoint: str, field: str, value) -> None:
+    body = {"model": "tiny_llama", "max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat" else {"prompt": "x"})
+    path = "chat/completions" if endpoint == "chat" else "completions"
+    r = requests.post(f"{server.base()}/v1/{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"], err
+
+
+def test_compatible_fields_are_accepted(oai) -> None:
+    """What asks for nothing beyond the default passes: OpenAI's `user`, default values, nulls."""
+    oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                user="u-1", store=False, parallel_tool_calls=False, service_tier="auto",
+                                extra_body={"priority": 0, "best_of": None, "guided_json": None})
+
+
 def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
     generated_before, aborted_before = _metric(server, "vllm:generation_tokens_total"), _aborted(server)
     body = json.dumps({"model": "tiny_llama", "prompt": "a long story", "max_tokens": 400, "temperature": 0,

@@ -180,6 +180,39 @@ def _completion_logprobs(doc: dict[str, Any]) -> int | None:
     return doc["logprobs"]
 
 
+# Every body field Pier reads (each implemented), per endpoint.
+_COMMON = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "logprobs", "response_format",
+                     "return_tokens_as_token_ids", *SAMPLING})
+FIELDS = {
+    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template",
+                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
+    False: _COMMON | {"prompt", "suffix", "echo"},
+}
+# Accepted for compatibility, with no effect on the answer: OpenAI's end-user id (abuse tracking),
+# and fields whose value asks for nothing beyond the default (a non-default value is refused).
+COMPATIBLE = frozenset({"user"})
+DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "store": (False,), "parallel_tool_calls": (True, False), "service_tier": ("auto", "default"),
+    "priority": (0,), "metadata": ({},), "modalities": (["text"],),
+}
+
+
+def check_fields(doc: dict[str, Any], chat: bool) -> None:
+    """No silent ignoring: a field Pier does not implement is a 400 that names it, in OpenAI's own
+    words for an unknown argument (vLLM answers 200 and logs that it ignored it). A null value
+    asks for nothing and passes."""
+    for key, value in doc.items():
+        if key in FIELDS[chat] or key in COMPATIBLE or value is None:
+            continue
+        if key in DEFAULT_ONLY:
+            if value not in DEFAULT_ONLY[key]:
+                raise BadRequest(f"{key}={value!r} is not supported by this server (only the default, "
+                                 f"{DEFAULT_ONLY[key][0]!r}, is).", key)
+            continue
+        raise BadRequest(f"Unrecognized request argument supplied: {key} (this server does not implement it; "
+                         "docs/llm.md lists the fields it reads).", key)
+
+
 def check_response_format(doc: dict[str, Any]) -> None:
     fmt = doc.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):

@@ -21,6 +21,7 @@ from pier.frontends.http.openai.endpoint import Call, Endpoint
 from pier.frontends.http.openai.llm_io import Delta, inference_request, response_deltas
 from pier.frontends.http.openai.protocol import (
     BadRequest,
+    check_fields,
     check_model,
     check_response_format,
     error,
@@ -69,6 +70,7 @@ class OpenAIHandlers:
         try:
             doc = await read_body(request, self.max_json_size)
             model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
+            check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
             check_response_format(doc)
             plan = endpoint.plan(doc, sampling, logprobs)
