@@ -55,6 +55,17 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def cache_config_info(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
+        inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""
+        e, cfg = self.engine, self.engine.config
+        return {"block_size": str(cfg.block_size), "cache_dtype": cfg.dtype,
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+                "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
+                "kv_cache_size_tokens": str(e.kv.pool.num_blocks * cfg.block_size),
+                "num_cpu_blocks": str(e.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(e.kv.pool.num_blocks)}
+
     def check_text_length(self, text: str) -> None:
         """See LLMEngine.check_text_length (safe from any thread: reads fixed settings only)."""
         self.engine.check_text_length(text)

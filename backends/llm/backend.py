@@ -350,7 +350,7 @@ class LLMInstance(ModelInstance):
     # ---- metrics -------------------------------------------------------------------------
 
     def prometheus(self, model: str, version: str) -> str:
-        return self.metrics.render(self.engine.stats(), model)
+        return self.metrics.render(self.engine.stats(), model, self.engine.cache_config_info())
 
     def info(self) -> dict[str, Any]:
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len}

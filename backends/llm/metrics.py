@@ -110,13 +110,19 @@ class LLMMetrics:
                 h["vllm:request_time_per_output_token_seconds"].observe(
                     (last - m.first_token_time) / (out.completion_tokens - 1))
 
-    def render(self, s: EngineStats, model: str) -> str:
-        """The vllm:* families, vLLM's names and help texts, for the engine stats `s`."""
+    def render(self, s: EngineStats, model: str, cache_info: dict[str, str] | None = None) -> str:
+        """The vllm:* families, vLLM's names and help texts, for the engine stats `s` (and the KV
+        cache's settings, vllm:cache_config_info's labels)."""
         labels = f'model_name="{model}"'
         parts: list[str] = []
 
         def family(name: str, kind: str, help_text: str, rows: list[str]) -> None:
             parts.append(prometheus.family(name, kind, help_text, rows))
+
+        if cache_info is not None:
+            info = ",".join(f'{k}="{v}"' for k, v in sorted({**cache_info, "engine": "0"}.items()))
+            family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+                   [f"vllm:cache_config_info{{{info},{labels}}} 1.0\n"])
 
         for name, help_text, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),

@@ -622,6 +622,14 @@ def test_llm_metrics_are_exported(server: PierProcess) -> None:
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:inter_token_latency_seconds_count"):
         assert f'{name}{{model_name="tiny_llama"' in text, name
+    # vLLM's info gauge of the KV cache settings (gateways read num_gpu_blocks x block_size)
+    (line,) = [x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")]
+    info = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert line.endswith("} 1.0") and info["model_name"] == "tiny_llama" and info["engine"] == "0", line
+    assert (info["block_size"], info["kv_cache_memory_bytes"], info["enable_prefix_caching"]) == ("16", "8000000",
+                                                                                                   "True"), info
+    assert int(info["num_gpu_blocks"]) > 0
+    assert int(info["kv_cache_size_tokens"]) == int(info["num_gpu_blocks"]) * 16
 
 
 def test_request_level_histograms(server: PierProcess) -> None:
