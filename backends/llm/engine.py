@@ -23,6 +23,7 @@ from .sampler import SampleResult, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
+from .structured import GrammarCompiler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
@@ -127,6 +128,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
         self._requests: dict[str, list[Seq]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -206,6 +208,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids has token ids outside the vocabulary (size {vocab}): {outside[:10]}")
         if len(params.stop) > MAX_STOP_STRINGS:  # each is searched for after every token, on the engine thread
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         ids = self.encode_prompt(prompt)
         seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1
@@ -220,6 +224,8 @@ class LLMEngine:
             seq.generator.manual_seed(params.seed + index)
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens, params.stop,
                                            params.include_stop_str_in_output)
+        if params.structured_outputs is not None:  # each sequence (n > 1 too) walks its own grammar
+            seq.matcher = self.grammars.matcher(params.structured_outputs)
         return seq
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -300,6 +306,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Seq, res: SampleResult, now: float) -> RequestOutput:
         tok = res.token_id
+        if seq.matcher is not None and not seq.matcher.is_stopped():
+            seq.matcher.consume_token(tok)  # the mask allowed it: the grammar moves on
         seq.token_ids.append(tok)
         seq.output_counts[tok] = seq.output_counts.get(tok, 0) + 1
         self._generation_tokens += 1

@@ -38,6 +38,7 @@ class Sequence:
     generator: torch.Generator | None = None
     output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
     detok: Any = None  # tokenizer.IncrementalDetokenizer
+    matcher: Any = None  # llguidance.LLMatcher: structured output's grammar state (structured.py)
     num_preemptions: int = 0
     # prompt_logprobs: (token id, logprob, alternatives) for prompt positions 1.. computed so far;
     # position 0 has none. Sent once, with the first output.

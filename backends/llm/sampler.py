@@ -1,7 +1,8 @@
 """Logits → next tokens, per row with that row's SamplingParams.
 
 Order (as vLLM): logprobs are taken from the raw logits; then penalties (repetition over prompt
-and output, HF style; presence/frequency over output only), logit_bias, min_tokens masking, then greedy
+and output, HF style; presence/frequency over output only), logit_bias, min_tokens masking, the
+structured-output grammar's mask (structured.py), then greedy
 argmax, or temperature → top-k → top-p → min-p → a draw. A row with a seed draws from its own
 generator, so its samples do not depend on what else is in the batch.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Sequence
+from .structured import apply_masks
 
 
 @dataclass
@@ -30,6 +32,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want_lp:
         logprobs = torch.log_softmax(logits, dim=-1)
+    raw = logits
     processed = _apply_penalties(logits, seqs, eos_ids)
     if processed is not logits:
         # One request's extreme penalties or masks must not fail the step (and with it every request
@@ -39,6 +42,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
         if bool(bad.any()):
             processed[bad] = logits[bad]
     logits = processed
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:  # structured output: only what each grammar allows now
+        if logits is raw:
+            logits = logits.clone()
+        apply_masks(logits, constrained, [seqs[i].matcher for i in constrained], eos_ids[0] if eos_ids else None)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     if len(greedy) == len(seqs):

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .structured import StructuredOutputs
+
 _INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens", "prompt_logprobs"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
@@ -42,6 +44,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), clamped to [-100, 100]
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow (structured.py)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +121,8 @@ class SamplingParams:
             elif value is None:
                 if key in ("max_tokens", "seed", "logprobs"):
                     kwargs[key] = None
+            elif key == "structured_outputs":
+                kwargs[key] = value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
             else:
                 kwargs[key] = _coerce(key, value)
         return cls(**kwargs, extra=extra)

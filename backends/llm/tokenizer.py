@@ -39,6 +39,7 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled: Any = None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.json = self._tok.to_str()  # the whole tokenizer, for llguidance (structured output)
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         # tokenizer_config's bos/eos/unk/pad are special too (as transformers counts them), even when
         # tokenizer.json lists them as plain vocabulary: skip_special_tokens leaves them out.

@@ -111,6 +111,7 @@ SAMPLING_MAX_TOKENS = "max_tokens"
 SAMPLING_N = "n"  # sequences per request (sequence_index 0 .. n-1)
 SAMPLING_LOGPROBS = "logprobs"  # alternatives per generated token
 SAMPLING_PROMPT_LOGPROBS = "prompt_logprobs"  # alternatives per prompt token (asks for that output)
+SAMPLING_STRUCTURED_OUTPUTS = "structured_outputs"  # vLLM's object: json, json_object, regex, choice, grammar
 
 # ---- chat_messages as an object: the messages and the chat template's options -------------
 CHAT_OPTION_MESSAGES = "messages"

@@ -182,7 +182,7 @@ def _completion_logprobs(doc: dict[str, Any]) -> int | None:
 
 # Every body field Pier reads (each implemented), per endpoint.
 _COMMON = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "logprobs", "response_format",
-                     "return_tokens_as_token_ids", *SAMPLING})
+                     "structured_outputs", "return_tokens_as_token_ids", *SAMPLING})
 FIELDS = {
     True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template",
                      "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
@@ -213,8 +213,29 @@ def check_fields(doc: dict[str, Any], chat: bool) -> None:
                          "docs/llm.md lists the fields it reads).", key)
 
 
-def check_response_format(doc: dict[str, Any]) -> None:
-    fmt = doc.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequest("response_format other than {\"type\": \"text\"} (structured output) is not "
-                         "supported by this server.", "response_format")
+def structured_outputs(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's output constraint for the engine (vLLM's `structured_outputs` object), from
+    OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs` (json,
+    json_object, regex, choice, grammar); the engine compiles it and refuses what it cannot honour."""
+    fmt, so = doc.get("response_format"), doc.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise BadRequest("set response_format or structured_outputs, not both.", "response_format")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise BadRequest("structured_outputs must be an object.", "structured_outputs")
+        return so
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest("response_format.json_schema must be an object with a 'schema' object.",
+                             "response_format")
+        return {"json": spec.get("schema", {})}  # `strict` or not, the schema is enforced
+    raise BadRequest(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                     "response_format")

@@ -23,11 +23,11 @@ from pier.frontends.http.openai.protocol import (
     BadRequest,
     check_fields,
     check_model,
-    check_response_format,
     error,
     pier_error,
     read_body,
     sampling_parameters,
+    structured_outputs,
 )
 from pier.frontends.http.openai.streaming import stream
 
@@ -72,7 +72,9 @@ class OpenAIHandlers:
             model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
-            check_response_format(doc)
+            constraint = structured_outputs(doc)
+            if constraint is not None:
+                sampling[llm.SAMPLING_STRUCTURED_OUTPUTS] = constraint
             plan = endpoint.plan(doc, sampling, logprobs)
             infers = [inference_request(model, p, plan.messages, sampling, logprobs is not None) for p in plan.prompts]
             as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
