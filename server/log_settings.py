@@ -6,7 +6,9 @@ Triton refuses to move over the network too. Logging is process-wide, so these s
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,15 +17,41 @@ from typing import Any
 from pier.contract.errors import ErrorCode, PierError, invalid_arg
 
 FORMATS = ("default", "ISO8601")
-_LINE = "%(asctime)s %(levelname).1s %(name)s] %(message)s"
+# tritonserver escapes each message as a JSON string (so a client cannot forge log records with
+# newlines in, say, an input name); TRITON_SERVER_ESCAPE_LOG_MESSAGES=0 turns that off, as there.
+ESCAPE_VARIABLE = "TRITON_SERVER_ESCAPE_LOG_MESSAGES"
 
 
-class _IsoFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__(_LINE, datefmt="%Y-%m-%dT%H:%M:%SZ")
+class TritonFormatter(logging.Formatter):
+    """tritonserver's log records: `default` is glog's `I1202 00:18:39.425123 <pid> <file>:<line>]
+    <message>` (local time), `ISO8601` is `2026-12-02T00:18:39Z I <pid> <file>:<line>] <message>`
+    (UTC). Verbose lines are `I` lines, as Triton's LOG_VERBOSE. A message that starts with a
+    newline is a table (the startup model table): it follows on its own lines, unescaped, as there."""
 
-    def converter(self, secs: float | None) -> time.struct_time:  # type: ignore[override]
-        return time.gmtime(secs)
+    _LETTERS = {logging.ERROR: "E", logging.WARNING: "W"}
+
+    def __init__(self, iso: bool, escape: bool) -> None:
+        super().__init__()
+        self.iso, self.escape = iso, escape
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            message = f"{message}\n{record.exc_text}"
+        if record.stack_info:
+            message = f"{message}\n{self.formatStack(record.stack_info)}"
+        if not message.startswith("\n") and self.escape:
+            message = json.dumps(message, ensure_ascii=False)
+        level = "E" if record.levelno >= logging.ERROR else self._LETTERS.get(record.levelno, "I")
+        where = f"{record.process} {record.filename}:{record.lineno}]"
+        if self.iso:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+            return f"{stamp} {level} {where} {message}"
+        local = time.localtime(record.created)
+        micros = int((record.created % 1) * 1_000_000)
+        return f"{level}{time.strftime('%m%d %H:%M:%S', local)}.{micros:06d} {where} {message}"
 
 
 @dataclass
@@ -84,7 +112,8 @@ def install(settings: LogSettings) -> None:
 def _apply() -> None:
     logging.getLogger().setLevel(logging.DEBUG if _current.log_verbose_level > 0 else logging.INFO)
     if _handler is not None:
-        _handler.setFormatter(_IsoFormatter() if _current.log_format == "ISO8601" else logging.Formatter(_LINE))
+        escape = os.environ.get(ESCAPE_VARIABLE, "1").strip() != "0"
+        _handler.setFormatter(TritonFormatter(_current.log_format == "ISO8601", escape))
 
 
 def update(changes: dict[str, Any]) -> dict[str, Any]:

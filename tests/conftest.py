@@ -3,6 +3,7 @@ loopback ports (tests talk to it with tritonclient, grpc and plain HTTP)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -66,7 +67,7 @@ class PierProcess:
 
 
 def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool = True,
-               timeout: float = 60) -> PierProcess:
+               timeout: float = 60, env: dict[str, str] | None = None) -> PierProcess:
     http, grpc_, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "pier", "serve",
            *[f"--model-repository={r}" for r in repos],
@@ -74,7 +75,8 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
            "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", *extra]
     log = open(log_path, "wb")
     # The installed `pier` (the environment as it is: the GPU machines' carried wheels live on PYTHONPATH)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=None if env is None else {**os.environ, **env})
     server = PierProcess(proc, http, grpc_, metrics, log_path)
     if not wait_ready:
         return server

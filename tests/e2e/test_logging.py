@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import EXAMPLE_REPO, start_pier
 
-ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ I pier", re.M)
+ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ I \d+ [\w.]+:\d+\] ", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +69,20 @@ def test_updates_switch_severities_and_format_at_run_time(server):
     _malformed_request(server)
     time.sleep(0.5)
     quiet = server.log_file.read_text()[mark:]
-    assert "unloading 'identity_fp32'" not in quiet and " D " not in quiet, quiet
+    assert "unloading 'identity_fp32'" not in quiet and "HTTP request:" not in quiet, quiet
     r = _post(server, {"log_info": True, "log_format": "default", "log_verbose_level": 1})
     assert r.json() == {"log_file": str(server.log_file), "log_info": True, "log_warning": True,
                         "log_error": True, "log_verbose_level": 1, "log_format": "default"}
     mark = len(server.log_file.read_text())
     assert requests.post(f"{base}/v2/repository/models/identity_fp32/unload", timeout=30).status_code == 200
     text = _log_after(server, mark, "unloading 'identity_fp32'")
-    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ I pier\.repository\] unloading 'identity_fp32'", text,
+    # tritonserver's default format (glog), the message escaped as a JSON string
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ manager\.py:\d+\] \"unloading 'identity_fp32'\"$", text,
                      re.M), text
-    assert "D pier.http] HTTP request: POST /v2/repository/models/identity_fp32/unload" in text, text
-    _malformed_request(server)  # aiohttp's report of it is a DEBUG line (see app._ClientMistakes)
-    text = _log_after(server, mark, " D aiohttp")
-    assert re.search(r"^\S+ \S+ D aiohttp", text, re.M), text  # verbose: DEBUG lines too
+    assert '] "HTTP request: POST /v2/repository/models/identity_fp32/unload"' in text, text  # verbose lines
+    _malformed_request(server)  # aiohttp's report of it is a verbose line (see app._ClientMistakes)
+    text = _log_after(server, mark, "web_protocol.py")
+    assert re.search(r"^I\S+ \S+ \d+ web_protocol\.py:\d+\] \"", text, re.M), text
     assert requests.post(f"{base}/v2/repository/models/identity_fp32/load", timeout=60).status_code == 200
     _post(server, {"log_verbose_level": 0, "log_format": "ISO8601"})
 
@@ -119,3 +120,65 @@ def test_grpc_log_settings(server):
         client.update_log_settings({"log_file": "x"})
     assert err.value.status() == "StatusCode.UNIMPLEMENTED"
     client.update_log_settings({"log_warning": True})
+
+
+# tritonserver's record shapes (qa L0_logging log_format_test parses log files with these).
+RECORD = {
+    "default": re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ [\w.]+:\d+\] (?P<message>.*)$"),
+    "ISO8601": re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ [EWI] \d+ [\w.]+:\d+\] (?P<message>.*)$"),
+}
+FORGED = {"default": "I0205 18:34:18.707423 1 file.cc:123] THIS ENTRY WAS INJECTED",
+          "ISO8601": "2024-05-18T01:46:51Z I 1 file.cc:123] THIS ENTRY WAS INJECTED"}
+
+
+def _records(path, record: re.Pattern) -> list[list[str]]:
+    """The log's records: a line in the record shape starts one, other lines continue it."""
+    records: list[list[str]] = []
+    for line in path.read_text().splitlines():
+        if record.match(line) or not records:
+            records.append([line])
+        else:
+            records[-1].append(line)
+    return records
+
+
+@pytest.mark.parametrize("fmt", ["default", "ISO8601"])
+@pytest.mark.parametrize("escaped", [True, False], ids=["escaped", "unescaped"])
+def test_log_records_have_tritons_shape_and_cannot_be_forged(tmp_path, fmt: str, escaped: bool) -> None:
+    """Every record is one line in Triton's shape, its message a JSON string (escaping on, the
+    default), or a heading-less table; an input name with newlines cannot forge a record, unless
+    TRITON_SERVER_ESCAPE_LOG_MESSAGES=0 turns escaping off, as in tritonserver."""
+    import json
+
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    shutil.copytree(EXAMPLE_REPO / "simple", tmp_path / "repo" / "simple")
+    log_file = tmp_path / "server.log"
+    server = start_pier([tmp_path / "repo"], "--log-verbose=2147483647", "--log-info=1", "--log-error=1",
+                        "--log-warning=1", f"--log-format={fmt}", f"--log-file={log_file}",
+                        log_path=tmp_path / "stdout.log", env={"TRITON_SERVER_ESCAPE_LOG_MESSAGES": str(int(escaped))})
+    try:
+        client = httpclient.InferenceServerClient(server.http_url)
+        forged = httpclient.InferInput(f"\n{FORGED[fmt]}\n{FORGED[fmt]}", [1, 16], "INT32")
+        forged.set_data_from_numpy(np.zeros((1, 16), np.int32))
+        with pytest.raises(InferenceServerException):
+            client.infer("simple", [forged])
+    finally:
+        assert server.stop() == 0
+    records = _records(log_file, RECORD[fmt])
+    assert len(records) > 5
+    tables = 0
+    for lines in records:
+        head = RECORD[fmt].match(lines[0])
+        assert head, lines
+        message = head.group("message")
+        if escaped and message:
+            assert isinstance(json.loads(message), str), lines  # one JSON string: nothing forged
+            assert len(lines) == 1, lines
+        if not message and len(lines) > 1:  # a table: +---+ borders around | rows |
+            tables += 1
+            assert all(re.fullmatch(r"\+[-+]+\+|\| .* \|", row) for row in lines[1:]), lines
+    assert tables >= 1
+    injected = [lines for lines in records if lines == [FORGED[fmt]]]
+    assert bool(injected) is not escaped, injected

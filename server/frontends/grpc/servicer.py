@@ -82,6 +82,8 @@ def _translate(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return await method(self, request, context)
         except PierError as exc:
+            if log.isEnabledFor(logging.DEBUG):  # as Triton's verbose log of a failed request
+                log.debug("gRPC %s failed: %s", method.__name__, exc.message)
             await context.abort(grpc_code(exc.code), exc.message)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

@@ -28,6 +28,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except PierError as exc:
+        if log.isEnabledFor(logging.DEBUG):  # as Triton's verbose log of a failed request
+            log.debug("%s %s failed: %s", request.method, request.path, exc.message)
         return from_error(exc)
     except web.RequestPayloadError as exc:
         return error_response(400, f"failed to read the request body ({encoding or 'identity'} encoding): {exc}")
