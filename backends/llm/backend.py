@@ -135,6 +135,10 @@ class LLMInstance(ModelInstance):
             overrides["device"] = f"cuda:{where.device_id or 0}"
         if ctx.services is None:
             raise unavailable("the LLM backend runs inside the server (it streams from the server's event loop)")
+        self.tool_call_parser = params.get(llm.INFO_TOOL_CALL_PARSER) or None
+        if self.tool_call_parser is not None and self.tool_call_parser not in llm.TOOL_CALL_PARSERS:
+            raise unavailable(f"tool_call_parser {self.tool_call_parser!r} is not one of "
+                              f"{', '.join(llm.TOOL_CALL_PARSERS)}")
         try:
             self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)
         except (ValueError, OSError, KeyError) as exc:
@@ -353,7 +357,7 @@ class LLMInstance(ModelInstance):
         return self.metrics.render(self.engine.stats(), model, self.engine.cache_config_info())
 
     def info(self) -> dict[str, Any]:
-        return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len}
+        return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser}
 
     def close(self) -> None:
         self.engine.shutdown()  # requests still streaming fail with the engine's error

@@ -49,6 +49,9 @@ from __future__ import annotations
 
 BACKEND_NAME = "llm"  # the backend's name in a model's config (backend: "llm")
 INFO_MAX_MODEL_LEN = "max_model_len"  # an instance's info(): the context length, in tokens
+INFO_TOOL_CALL_PARSER = "tool_call_parser"  # ... and how tool calls are found in its text (None: no parser)
+# The config.pbtxt parameter `tool_call_parser` takes vLLM's names of these formats.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 # ---- inputs ------------------------------------------------------------------------------
 TEXT_INPUT = "text_input"

@@ -428,7 +428,7 @@ def test_openai_errors(oai, server: PierProcess) -> None:
         oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     response_format={"type": "yaml"})  # type: ignore[arg-type,typeddict-item]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
+    with pytest.raises(openai.BadRequestError, match="needs a tool call parser"):  # auto: this model has none
         oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     tools=[tool])
     plain = oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
@@ -573,6 +573,94 @@ def test_structured_outputs_choice_regex_and_generate(oai, server: PierProcess) 
         oai.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=8,
                                     response_format={"type": "json_object"},
                                     extra_body={"structured_outputs": {"regex": "a"}})
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 8},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_named_and_required_tool_calls_parse_and_validate(oai) -> None:
+    """tool_choice naming a function or "required": the calls are constrained to the tools'
+    parameter schemas, so they parse and validate, whole or streamed; tool and assistant
+    tool_calls messages go back through the chat template."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in range(3):
+        r = oai.chat.completions.create(model="tiny_llama", messages=messages, tools=[WEATHER, ADD], max_tokens=80,
+                                        tool_choice={"type": "function", "function": {"name": "add"}}, seed=seed,
+                                        temperature=1.0)  # type: ignore[arg-type]
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and r.choices[0].finish_reason == "stop"  # OpenAI: "stop" when forced
+        jsonschema.validate(json.loads(call.function.arguments), schemas["add"])
+        r = oai.chat.completions.create(model="tiny_llama", messages=messages, tools=[WEATHER, ADD], max_tokens=200,
+                                        tool_choice="required", seed=seed, temperature=1.0)  # type: ignore[arg-type]
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls, r
+        for call in r.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        stream = oai.chat.completions.create(model="tiny_llama", messages=messages, tools=[WEATHER], stream=True,
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                             max_tokens=80, seed=seed, temperature=1.0)  # type: ignore[arg-type]
+        name, args, ids = None, "", set()
+        for chunk in stream:
+            for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                name = delta_call.function.name or name
+                args += delta_call.function.arguments or ""
+                ids |= {delta_call.id} - {None}
+        assert name == "get_weather" and len(ids) == 1
+        jsonschema.validate(json.loads(args), schemas["get_weather"])
+        stream = oai.chat.completions.create(model="tiny_llama", messages=messages, tools=[WEATHER, ADD], stream=True,
+                                             tool_choice="required", max_tokens=200, seed=seed, temperature=1.0)
+        calls, finish = [], None
+        for chunk in stream:
+            if chunk.choices:
+                calls += chunk.choices[0].delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+        assert calls and finish == "tool_calls"
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    call_id = r.choices[0].message.tool_calls[0].id
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "3"}]
+    r = oai.chat.completions.create(model="tiny_llama", messages=history, tools=[ADD], tool_choice="none",
+                                    max_tokens=4)  # type: ignore[arg-type]
+    assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
+
+
+def test_auto_tool_choice_with_a_parser(tmp_path) -> None:
+    """A model with `tool_call_parser` answers tool_choice "auto": free text, read by the parser
+    (its formats are unit-tested in tests/server/test_openai_tools.py); a name it does not know
+    fails the load, naming the choices."""
+    from tests.backends.llm.tiny_model import build_model
+
+    repo = tmp_path / "repo"
+    build_model(repo / "auto_llama" / "1", "llama")
+    config = ('backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
+              'parameters { key: "tool_call_parser" value { string_value: "%s" } }\n')
+    (repo / "auto_llama" / "config.pbtxt").write_text(config % "hermes")
+    build_model(repo / "bad_parser" / "1", "llama")
+    (repo / "bad_parser" / "config.pbtxt").write_text(config % "qwen_magic")
+    proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=tmp_path / "pier.log",
+                      timeout=120)
+    try:
+        client = openai.OpenAI(base_url=f"{proc.base()}/v1", api_key="none")
+        r = client.chat.completions.create(model="auto_llama", messages=[{"role": "user", "content": "x"}],
+                                           tools=[ADD], max_tokens=6, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content  # no call in random text
+        index = requests.post(f"{proc.base()}/v2/repository/index", json={}, timeout=10).json()
+        (bad,) = [row for row in index if row["name"] == "bad_parser"]
+        assert "tool_call_parser 'qwen_magic' is not one of hermes, llama3_json, mistral" in bad["reason"], bad
+    finally:
+        assert proc.stop() == 0
 
 
 def test_compatible_fields_are_accepted(oai) -> None:

@@ -1,10 +1,11 @@
 """`POST /v1/chat/completions`: the messages (text content only) go to the model's chat template
-in the backend, with vLLM's template options; tools only with tool_choice "none"."""
+in the backend, with vLLM's template options; tool calls as tools.py finds or forces them."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pier.frontends.http.openai.tools as tools
 from pier.contract import llm
 from pier.frontends.http.openai.endpoint import Call, Endpoint, Plan
 from pier.frontends.http.openai.llm_io import Delta
@@ -68,10 +69,6 @@ class Chat(Endpoint):
 
     def plan(self, doc: dict[str, Any], sampling: dict[str, Any], logprobs: int | None) -> Plan:
         messages = check_messages(doc.get("messages"))
-        if doc.get("tools") and doc.get("tool_choice", "auto") != "none":
-            # vLLM without a tool parser answers the same way.
-            raise BadRequest("tool calling is not supported by this server: send tool_choice \"none\" or "
-                             "no tools.", "tool_choice")
         payload, role = chat_payload(doc, messages)
         return Plan([""], payload, role)
 
@@ -84,10 +81,24 @@ class Chat(Endpoint):
     def delta(self, item: Delta) -> dict[str, Any]:
         return {"delta": {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}}
 
+    def whole_choice(self, call: Call, index: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        if call.tools is None:
+            return self.content(text, call.role), finish
+        message, finish = tools.whole(call.tools, text, call.role, finish)
+        return {"message": message}, finish
+
+    def stream_delta(self, call: Call, item: Delta) -> tuple[dict[str, Any], str | None]:
+        if call.tools is None:
+            return self.delta(item), item["finish_reason"]
+        delta, finish = tools.stream_delta(call.tools, call.tool_state, item["index"], item["text"],
+                                           item["finish_reason"])
+        return {"delta": delta}, finish
+
     def opening(self, call: Call, item: Delta) -> tuple[dict[str, Any], int] | None:
-        """The role goes out first, with empty content."""
-        return {"index": item["index"], "delta": {"role": call.role, "content": ""}, "logprobs": None,
-                "finish_reason": None}, 0
+        """The role goes out first, with empty content (a named tool call: the call's header)."""
+        delta = {"role": call.role, "content": ""} if call.tools is None else \
+            tools.opening(call.tools, item["index"], call.role)
+        return {"index": item["index"], "delta": delta, "logprobs": None, "finish_reason": None}, 0
 
 
 CHAT = Chat()

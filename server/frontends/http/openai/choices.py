@@ -98,8 +98,8 @@ async def whole(call: Call, deltas: Deltas, first: Delta) -> web.Response:
     choices = []
     for i in range(call.choices):
         text = ((call.echo[i] or "") if call.echo else "") + "".join(texts.get(i, []))
-        choices.append(choice(i, call.endpoint.content(text, call.role), call.endpoint.logprobs(lps.get(i, [])),
-                              finish.get(i, llm.FINISH_STOP), stops.get(i)))
+        content, reason = call.endpoint.whole_choice(call, i, text, finish.get(i, llm.FINISH_STOP))
+        choices.append(choice(i, content, call.endpoint.logprobs(lps.get(i, [])), reason, stops.get(i)))
     total = sum(completion.values())
     doc = {"id": call.ident, "object": call.endpoint.object, "created": call.created, "model": call.model,
            "choices": choices, "usage": {"prompt_tokens": call.prompt_tokens, "completion_tokens": total,

@@ -22,6 +22,7 @@ class Plan:
     role: str = "assistant"  # chat: the answer's role (the last message's when no generation prompt is added)
     # completions `echo`: each prompt's text (None: a token-id prompt's, from the model)
     echo: list[str | None] = field(default_factory=list)
+    tools: Any = None  # chat: tools.ToolPlan when the answer may hold tool calls
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Call:
     per_prompt: int
     role: str
     echo: list[str | None]  # per choice: its prompt's text (None: from the model, not yet known); [] without echo
+    tools: Any = None  # chat: tools.ToolPlan, or None
+    tool_state: dict[int, Any] = field(default_factory=dict)  # streamed tool calls: per choice
 
     def fill_echo(self, i: int, part: dict[str, Any]) -> None:
         """A token-id prompt's echo text, from the model's decoding of it (`part`: the prompt_logprobs
@@ -78,6 +81,14 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     def delta(self, item: Delta) -> dict[str, Any]:
         """A stream chunk's content fields for one delta."""
+
+    def whole_choice(self, call: Call, index: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's content fields and finish_reason."""
+        return self.content(text, call.role), finish
+
+    def stream_delta(self, call: Call, item: Delta) -> tuple[dict[str, Any], str | None]:
+        """A stream chunk's content fields and finish_reason."""
+        return self.delta(item), item["finish_reason"]
 
     @abc.abstractmethod
     def opening(self, call: Call, item: Delta) -> tuple[dict[str, Any], int] | None:

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+import pier.frontends.http.openai.tools as tools
 from pier import __version__
 from pier.contract import llm
 from pier.contract.errors import PierError
@@ -73,9 +74,15 @@ class OpenAIHandlers:
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
             constraint = structured_outputs(doc)
+            tool_plan = None
+            if endpoint.chat:  # forced tool calls are structured output too
+                info = self.plane.models_with_backend(llm.BACKEND_NAME).get(model, {})
+                tool_plan, forced = tools.plan(doc, info.get(llm.INFO_TOOL_CALL_PARSER))
+                constraint = forced or constraint
             if constraint is not None:
                 sampling[llm.SAMPLING_STRUCTURED_OUTPUTS] = constraint
             plan = endpoint.plan(doc, sampling, logprobs)
+            plan.tools = tool_plan
             infers = [inference_request(model, p, plan.messages, sampling, logprobs is not None) for p in plan.prompts]
             as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
             gens = [response_deltas(self.plane, infer, logprobs is not None, as_ids) for infer in infers]
@@ -92,7 +99,7 @@ class OpenAIHandlers:
         first = await anext(deltas)
         call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), model,
                     prompt_tokens=sum(f["prompt_tokens"] for f in firsts), choices=n * len(gens), per_prompt=n,
-                    role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))])
+                    role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))], tools=plan.tools)
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
             usage = bool(isinstance(options, dict) and options.get("include_usage"))

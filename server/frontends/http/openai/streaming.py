@@ -67,8 +67,8 @@ async def stream(request: web.Request, call: Call, deltas: Deltas, first: Delta,
                 offset[i] = offset.get(i, 0) + endpoint.text_length(logprobs)
             if item["text"] or item["finish_reason"] or logprobs or item["completion_tokens"] > sent.get(i, 0):
                 # a chunk per step that made tokens, as vLLM's
-                await out.send(out.chunk([choice(i, endpoint.delta(item), logprobs, item["finish_reason"],
-                                                 item["stop_reason"])]))
+                delta, finish = endpoint.stream_delta(call, item)
+                await out.send(out.chunk([choice(i, delta, logprobs, finish, item["stop_reason"])]))
                 sent[i] = item["completion_tokens"]
             item = await anext(deltas, None)
         if include_usage:
