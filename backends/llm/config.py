@@ -33,6 +33,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
+    # "fcfs": first come, first served; "priority": requests' `priority` first (lower value first,
+    # ties by arrival), and the preemption victim is the lowest priority, latest arrival (vLLM's).
+    scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"attention must be 'auto' or 'torch', got {self.attention!r}")
         if self.block_size < 1:
@@ -88,7 +93,7 @@ class EngineConfig:
 def _parse(name: str, text: str) -> object:
     if name in ("model_path",):
         return Path(text) if text else None
-    if name in ("dtype", "device", "preemption_mode", "attention"):
+    if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy"):
         return text.lower()
     if name == "enable_prefix_caching":
         low = text.lower()

@@ -210,6 +210,8 @@ class LLMEngine:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's words
+            raise ValueError(f"Got priority {params.priority} but Priority scheduling is not enabled.")
         ids = self.encode_prompt(prompt)
         seq = self._new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1

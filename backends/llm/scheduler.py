@@ -4,7 +4,9 @@ Each step, in this order:
 1. running sequences (oldest first) get their next tokens — one for a decode, the rest of the
    prompt (up to the budget) for a chunked prefill. When the pool is short, the most recently
    admitted running sequence is preempted (recompute: blocks freed, re-queued first; swap: blocks
-   copied to the CPU area), possibly the sequence being scheduled itself;
+   copied to the CPU area), possibly the sequence being scheduled itself; with scheduling_policy
+   "priority" the waiting queue is kept in (priority, arrival) order and the victim is the lowest
+   priority, latest arrival;
 2. without a preemption this step, swapped sequences come back first (FIFO);
 3. then waiting sequences are admitted while `max_num_seqs`, the token budget and the pool allow;
    a prompt longer than the remaining budget is split (chunked prefill), so decodes never stall
@@ -14,6 +16,7 @@ The result is a SchedulerOutput; nothing here touches tensors.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
@@ -33,10 +36,26 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float]:
+        return seq.params.priority, seq.arrival_time
+
+    def _wait(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` to wait: at the back (a preempted one at the front), or, by priority, in
+        (priority, arrival) order."""
+        seq.status = SeqStatus.WAITING
+        if self.by_priority:
+            keys = [self._rank(s) for s in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._rank(seq)), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._wait(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked child joins the running queue directly (its blocks are shared already)."""
@@ -63,6 +82,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.by_priority:
+            self._preempt_for_priority(out)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -91,7 +112,10 @@ class Scheduler:
             while copies is None:
                 copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
                 if copies is None:
-                    victim = self.running.pop()  # the most recently admitted (not yet scheduled)
+                    # the most recently admitted (not yet scheduled this step), or by priority the
+                    # lowest priority, latest arrival among those
+                    victim = max(self.running[i:], key=self._rank) if self.by_priority else self.running[-1]
+                    self.running.remove(victim)
                     if victim is not seq and len(victim.token_ids) - victim.num_computed == 1:
                         decodes_left -= 1
                     self._preempt(victim, out)
@@ -104,6 +128,21 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Before the step: while the best waiting request cannot get a seat or its prompt's blocks,
+        preempt the running one of lower priority (lowest, latest arrival first) (vLLM's priority
+        preemption)."""
+        while self.waiting and self.running:
+            top = self.waiting[0]
+            victim = max(self.running, key=self._rank)
+            if self._rank(victim) <= self._rank(top):
+                return
+            need = -(-len(top.token_ids) // self.kv.block_size)
+            if self._seats() + 1 + top.pending_forks <= self.config.max_num_seqs and self.kv.pool.num_free >= need:
+                return
+            self.running.remove(victim)
+            self._preempt(victim, out, swap=False)  # swapped ones come back before waiting ones: recompute
 
     def _seats(self) -> int:
         """Sequences running, counting the children a request forks once its prompt is in (n > 1),
@@ -172,11 +211,11 @@ class Scheduler:
         )
         seq.num_computed = start + num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq.seq_id)
-        if self.config.preemption_mode == "swap":
+        if swap and self.config.preemption_mode == "swap":
             pairs = self.kv.swap_out(seq.seq_id)
             if pairs is not None:
                 out.blocks_to_swap_out.extend(pairs)
@@ -185,8 +224,7 @@ class Scheduler:
                 return
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq, front=True)
 
     def stats(self) -> dict[str, int]:
         return {

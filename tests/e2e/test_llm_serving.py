@@ -487,7 +487,6 @@ UNIMPLEMENTED_FIELDS = [
     ("chat", "audio", {"voice": "alloy"}),
     ("chat", "web_search_options", {}),
     ("completions", "temprature", 0.5),  # a typo is not silently sampled at the default
-    ("chat", "priority", 5),
     ("completions", "best_of", 3),
     ("chat", "store", True),
     ("chat", "service_tier", "flex"),
@@ -668,6 +667,10 @@ def test_compatible_fields_are_accepted(oai) -> None:
     oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                 user="u-1", store=False, parallel_tool_calls=False, service_tier="auto",
                                 extra_body={"priority": 0, "best_of": None, "guided_json": None})
+    # priority is read: without scheduling_policy "priority" a non-zero one is vLLM's 400
+    with pytest.raises(openai.BadRequestError, match="Got priority 5 but Priority scheduling is not enabled"):
+        oai.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    extra_body={"priority": 5})
 
 
 def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:

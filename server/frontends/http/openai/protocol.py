@@ -16,7 +16,7 @@ from pier.frontends.json_data import json_type
 # Body fields passed to the engine's sampling parameters (OpenAI's and vLLM's names).
 SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
             "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
-            "include_stop_str_in_output", "logit_bias")
+            "include_stop_str_in_output", "logit_bias", "priority")
 _STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
                  501: "NotImplementedError", 503: "ServiceUnavailableError"}
 _CODE_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNSUPPORTED: 400,
@@ -52,7 +52,7 @@ def stream_error(exc: PierError) -> dict[str, Any]:
 # checked with the other sampling fields).
 _FLAGS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids")
 _TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
-_INTS = ("max_tokens", "max_completion_tokens", "n", "top_logprobs", "seed", "top_k", "min_tokens")
+_INTS = ("max_tokens", "max_completion_tokens", "n", "top_logprobs", "seed", "top_k", "min_tokens", "priority")
 
 
 def lax_bool(doc: dict[str, Any], key: str) -> None:
@@ -193,7 +193,7 @@ FIELDS = {
 COMPATIBLE = frozenset({"user"})
 DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "store": (False,), "parallel_tool_calls": (True, False), "service_tier": ("auto", "default"),
-    "priority": (0,), "metadata": ({},), "modalities": (["text"],),
+    "metadata": ({},), "modalities": (["text"],),
 }
 
 
