@@ -157,10 +157,16 @@ class LLMInstance(ModelInstance):
         for request in requests:
             try:
                 job = self._parse(request)
+                answer = self._tokenizer_answer(request, *job)
             except PierError as exc:
                 results.append(exc)
                 continue
-            asyncio.run_coroutine_threadsafe(self._serve(request, *job), self._loop)
+            if answer is not None:  # tokenize / detokenize: answered at once, nothing generated
+                sink = request.response_sink
+                assert sink is not None  # _parse checked it
+                self._loop.call_soon_threadsafe(sink, Outputs(answer), True)
+            else:
+                asyncio.run_coroutine_threadsafe(self._serve(request, *job), self._loop)
             results.append(Outputs([]))
         return results
 
@@ -208,6 +214,26 @@ class LLMInstance(ModelInstance):
                 raise invalid_arg(f"input '{llm.TEXT_INPUT}' is required")
             prompt = _text(value, llm.TEXT_INPUT)
         return prompt, sampling, flags
+
+    def _tokenizer_answer(self, request: InferenceRequest, prompt: Any, sampling: Any,
+                          flags: dict[str, bool]) -> list[Tensor] | None:
+        """TOKENIZE: the prompt's ids (text with special tokens, as the engine would see it; chat
+        as rendered) and their count. DETOKENIZE: input_ids as text. None: generate."""
+        if flags[llm.TOKENIZE]:
+            ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+            return [Tensor(llm.PROMPT_IDS, "INT64", [len(ids)], np.array(ids, dtype=np.int64)),
+                    Tensor(llm.NUM_INPUT_TOKENS, "UINT32", [1], np.array([len(ids)], dtype=np.uint32))]
+        if flags[llm.DETOKENIZE]:
+            if prompt == "":  # no ids: no text
+                return [_bytes(llm.TEXT_OUTPUT, b"")]
+            if not isinstance(prompt, list):
+                raise invalid_arg(f"detokenize needs the token ids in '{llm.INPUT_IDS}'")
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in prompt if not 0 <= t < max(vocab, self.engine.engine.model_config.vocab_size)]
+            if bad:
+                raise invalid_arg(f"token ids outside the vocabulary (size {vocab}): {bad[:10]}")
+            return [_bytes(llm.TEXT_OUTPUT, self.tokenizer.decode(prompt, skip_special_tokens=False).encode())]
+        return None
 
     async def _serve(self, request: InferenceRequest, prompt: Any, sampling: Any, flags: dict[str, bool]) -> None:
         sink = request.response_sink

@@ -64,10 +64,15 @@ RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 RETURN_LOGPROBS = "return_logprobs"
 CHAT_MESSAGES = "chat_messages"
 INPUT_IDS = "input_ids"
+# Nothing is generated: one response with the prompt's token ids (PROMPT_IDS) and their count
+# (vLLM's /tokenize) ...
+TOKENIZE = "tokenize"
+# ... or with input_ids decoded as text_output (vLLM's /detokenize).
+DETOKENIZE = "detokenize"
 
 # The BOOL inputs: options of the request, false when left out.
 FLAG_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS,
-               RETURN_NUM_OUTPUT_TOKENS, RETURN_LOGPROBS)
+               RETURN_NUM_OUTPUT_TOKENS, RETURN_LOGPROBS, TOKENIZE, DETOKENIZE)
 
 # ---- outputs -----------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"
@@ -78,6 +83,7 @@ SEQUENCE_INDEX = "sequence_index"
 LOGPROBS = "logprobs"
 STOP_REASON = "stop_reason"
 PROMPT_LOGPROBS = "prompt_logprobs"
+PROMPT_IDS = "prompt_ids"  # TOKENIZE's answer
 
 # The model's signature (auto-complete): (name, datatype, dims), -1 where variable.
 INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -91,6 +97,8 @@ INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (RETURN_LOGPROBS, "BOOL", (1,)),
     (CHAT_MESSAGES, "BYTES", (1,)),
     (INPUT_IDS, "INT64", (-1,)),
+    (TOKENIZE, "BOOL", (1,)),
+    (DETOKENIZE, "BOOL", (1,)),
 )
 OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (TEXT_OUTPUT, "BYTES", (-1,)),
@@ -101,6 +109,7 @@ OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (LOGPROBS, "BYTES", (-1,)),
     (STOP_REASON, "BYTES", (-1,)),
     (PROMPT_LOGPROBS, "BYTES", (-1,)),
+    (PROMPT_IDS, "INT64", (-1,)),
 )
 
 # ---- finish reasons (the finish_reason output; OpenAI's values) ---------------------------

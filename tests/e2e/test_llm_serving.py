@@ -43,6 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     proc = start_pier([repo], f"--trace-config=triton,file={repo.parent / 'trace.json'}",
                       log_path=repo.parent / "pier.log", timeout=120)
     proc.trace_file = repo.parent / "trace.json"  # type: ignore[attr-defined]
+    proc.model_dir = folder  # type: ignore[attr-defined]
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -380,6 +381,29 @@ def test_vllm_probe_endpoints(server: PierProcess) -> None:
     assert requests.get(f"{server.base()}/version", timeout=10).json()["version"]
     text = requests.get(f"{server.base()}/metrics", timeout=10).text
     assert "vllm:num_requests_running" in text and "nv_inference_count" in text
+
+
+def test_tokenize_and_detokenize_as_vllm(server: PierProcess) -> None:
+    """vLLM's /tokenize and /detokenize: the ids are the model tokenizer's (special tokens added as
+    the engine adds them; a chat rendered by the template), and decode back."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(server.model_dir / "tokenizer.json"))  # type: ignore[attr-defined]
+    base = server.base()
+    r = requests.post(f"{base}/tokenize", json={"model": "tiny_llama", "prompt": "Héllo wörld ☃"}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tok.encode("Héllo wörld ☃").ids, body
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
+    r = requests.post(f"{base}/detokenize", json={"model": "tiny_llama", "tokens": body["tokens"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"].endswith("Héllo wörld ☃"), r.text
+    chat = requests.post(f"{base}/tokenize", timeout=30, json={
+        "model": "tiny_llama", "messages": [{"role": "user", "content": "hi"}]}).json()
+    rendered = "<user>hi\n<assistant>"  # CHAT_TEMPLATE with a generation prompt
+    assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False).ids, chat
+    for path, doc, field in (("tokenize", {"prompt": 5}, "prompt"), ("tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+                             ("detokenize", {"tokens": ["a"]}, "tokens"), ("detokenize", {"tokens": [10**9]}, None)):
+        r = requests.post(f"{base}/{path}", json={"model": "tiny_llama", **doc}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 def test_openai_errors(oai, server: PierProcess) -> None:

@@ -11,6 +11,8 @@ scheduled, counted and cancelled (client gone) like any other.
 - `logprobs`: the backend's logprobs documents in OpenAI's shapes;
 - `choices`: a batch's deltas merged into one stream of choices, and the whole (non-streamed) answer;
 - `streaming`: the streamed answer (server-sent events);
+- `tools`: tool calls, forced through structured output or found in the text by a parser;
+- `tokenize`: vLLM's /tokenize and /detokenize;
 - `service`: the handlers, running a call through the above.
 """
 
@@ -28,6 +30,8 @@ def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> No
         app.router.add_get("/v1/models" + slash, h.models)
         app.router.add_post("/v1/completions" + slash, h.completions)
         app.router.add_post("/v1/chat/completions" + slash, h.chat_completions)
+    app.router.add_post("/tokenize", h.tokenize)  # vLLM's
+    app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ping", h.health)
     app.router.add_post("/ping", h.health)

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+import pier.frontends.http.openai.tokenize as tokenization
 import pier.frontends.http.openai.tools as tools
 from pier import __version__
 from pier.contract import llm
@@ -116,8 +117,39 @@ class OpenAIHandlers:
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
-                 **info} for m, info in self.plane.models_with_backend(llm.BACKEND_NAME).items()]
+                 llm.INFO_MAX_MODEL_LEN: info.get(llm.INFO_MAX_MODEL_LEN)}
+                for m, info in self.plane.models_with_backend(llm.BACKEND_NAME).items()]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the model's token ids for a prompt or a chat."""
+        try:
+            doc = await read_body(request, self.max_json_size)
+            models = self.plane.models_with_backend(llm.BACKEND_NAME)
+            model = check_model(doc.get("model"), list(models))
+            got = await tokenization.answer(self.plane, tokenization.tokenize_request(model, doc))
+        except BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        except PierError as exc:
+            return pier_error(exc)
+        ids = [int(t) for t in got[llm.PROMPT_IDS].reshape(-1)]
+        body = {"count": len(ids), "max_model_len": models[model].get(llm.INFO_MAX_MODEL_LEN), "tokens": ids,
+                "token_strs": None}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids back to text."""
+        try:
+            doc = await read_body(request, self.max_json_size)
+            model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
+            got = await tokenization.answer(self.plane, tokenization.detokenize_request(model, doc))
+        except BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        except PierError as exc:
+            return pier_error(exc)
+        text = got[llm.TEXT_OUTPUT].reshape(-1)[0]
+        return web.Response(body=orjson.dumps({"prompt": text.decode("utf-8", "replace")}),
+                            content_type="application/json")
 
     # vLLM's server probes, for health checks written against it
     async def health(self, request: web.Request) -> web.Response:
