@@ -31,6 +31,8 @@ platform: "ensemble"
 max_batch_size: 64
 input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
 output [ { name: "EMBEDDING" data_type: TYPE_FP32 dims: [ 384 ] } ]
+# Served on the OpenAI API's /v1/embeddings as well: its text input and embedding output.
+parameters { key: "openai_embeddings" value { string_value: "TEXT,EMBEDDING" } }
 ensemble_scheduling {
   step [
     {

@@ -123,6 +123,14 @@ class DataPlane:
                 out[m.spec.name] = m.instances[0].info() if m.instances else {}
         return dict(sorted(out.items()))
 
+    def models_with_parameter(self, key: str) -> dict[str, str]:
+        """Models with a READY version whose config sets parameter `key` (its newest version's value)."""
+        out: dict[str, str] = {}
+        for m in sorted(self._routes.loaded_models(), key=lambda m: m.version):
+            if key in m.spec.parameters:
+                out[m.spec.name] = m.spec.parameters[key]
+        return dict(sorted(out.items()))
+
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return config_to_json(self.resolve(name, version).config)
 

@@ -189,6 +189,8 @@ class LLMInstance(ModelInstance):
         # "parameters": {"temperature": 0, ...}); the sampling_parameters input wins.
         known = {f.name for f in dataclasses.fields(self._sampling_cls)} - {"extra"}
         sampling_doc = {**{k: v for k, v in request.parameters.items() if k in known}, **sampling_doc}
+        if flags[llm.EMBED]:  # one forward pass over the prompt, nothing generated
+            sampling_doc = {**sampling_doc, "embed": True, "max_tokens": 1}
         try:
             sampling = self._sampling_cls.from_json(sampling_doc)
         except (ValueError, TypeError) as exc:
@@ -256,6 +258,13 @@ class LLMInstance(ModelInstance):
         try:
             gen = self.engine.generate(prompt, sampling, request_id=rid)
             async for out in gen:
+                if out.embedding is not None:  # an EMBED request's one answer
+                    sink(Outputs([Tensor(llm.EMBEDDING, "FP32", [len(out.embedding)],
+                                         np.array(out.embedding, dtype=np.float32)),
+                                  Tensor(llm.NUM_INPUT_TOKENS, "UINT32", [1],
+                                         np.array([out.prompt_tokens], dtype=np.uint32))]), True)
+                    self.metrics.requests_ok += 1
+                    return
                 now = time.monotonic()
                 if out.token_ids:
                     if out.index not in last_token_at:

@@ -5,6 +5,7 @@ Single-threaded by design; `AsyncLLMEngine` (async_engine.py) drives it from its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class RequestOutput:
     # the prompt's token ids (the sequence's own list), with its first token when logprobs are asked
     # for: a token's text is decoded after what precedes it
     prompt_ids: list[int] | None = None
+    embedding: list[float] | None = None  # an embed request's answer (vLLM's embed runner: last token, normalised)
 
 
 @dataclass
@@ -210,6 +212,8 @@ class LLMEngine:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        if params.embed and params.n != 1:
+            raise ValueError("an embedding request has one sequence (n must be 1)")
         if params.priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's words
             raise ValueError(f"Got priority {params.priority} but Priority scheduling is not enabled.")
         ids = self.encode_prompt(prompt)
@@ -302,9 +306,31 @@ class LLMEngine:
             self.scheduler.add_running(child)
         if children:
             logits = logits[torch.tensor(row_of, device=logits.device)]
-        results = sample(logits, rows, self.eos_ids)
-        now = time.monotonic()
-        return [self._append_token(seq, res, now) for seq, res in zip(rows, results)]
+        pooled = [i for i, seq in enumerate(rows) if seq.params.embed]
+        outs: dict[int, RequestOutput] = {}
+        if pooled:  # embedding requests: their prompt's last hidden state is the answer
+            hidden = self.runner.sample_hidden
+            assert hidden is not None
+            if children:
+                hidden = hidden[torch.tensor(row_of, device=hidden.device)]
+            vectors = torch.nn.functional.normalize(hidden[torch.tensor(pooled, device=hidden.device)].float(), dim=-1)
+            for i, vector in zip(pooled, vectors.tolist()):
+                outs[i] = self._pooled(rows[i], vector)
+        sampled = [i for i in range(len(rows)) if i not in outs]
+        if sampled:
+            if pooled:
+                logits = logits[torch.tensor(sampled, device=logits.device)]
+            results = sample(logits, [rows[i] for i in sampled], self.eos_ids)
+            now = time.monotonic()
+            for i, res in zip(sampled, results):
+                outs[i] = self._append_token(rows[i], res, now)
+        return [outs[i] for i in range(len(rows))]
+
+    def _pooled(self, seq: Seq, vector: list[float]) -> RequestOutput:
+        self.scheduler.finish(seq, "stop")
+        self._requests.pop(seq.request_id, None)
+        out = self._output(seq, [], None, True)
+        return dataclasses.replace(out, embedding=vector)
 
     def _append_token(self, seq: Seq, res: SampleResult, now: float) -> RequestOutput:
         tok = res.token_id

@@ -52,6 +52,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
         """Do the block moves, run the forward; return (seq ids that sample, their logits [M, V])."""
         self.prompt_logprobs: dict[str, torch.Tensor] = {}
+        self.sample_hidden: torch.Tensor | None = None
         self._move_blocks(so)
         if not so.scheduled:
             return [], None
@@ -108,9 +109,11 @@ class ModelRunner:
         self.prompt_logprobs = {sid: torch.log_softmax(self.model.logits(hidden[a : a + n]), dim=-1)
                                 for sid, a, n in lp_rows}
         if not sample_rows:
+            self.sample_hidden = None
             return [], None
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=dev)]
+        self.sample_hidden = hidden  # the sampling rows' final hidden states (embedding requests pool them)
         return sample_ids, self.model.logits(hidden)
 
     def _decode_batch(self, decodes: list[ScheduledSeq], dev: torch.device) -> DecodeBatch:

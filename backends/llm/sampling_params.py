@@ -11,7 +11,7 @@ from .structured import StructuredOutputs
 
 _INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "logprobs", "min_tokens", "prompt_logprobs", "priority"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
-_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "embed"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), clamped to [-100, 100]
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow (structured.py)
     priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's request priority)
+    embed: bool = False  # nothing is generated: the answer is the prompt's embedding (last token, L2-normalised)
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

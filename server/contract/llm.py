@@ -67,12 +67,14 @@ INPUT_IDS = "input_ids"
 # Nothing is generated: one response with the prompt's token ids (PROMPT_IDS) and their count
 # (vLLM's /tokenize) ...
 TOKENIZE = "tokenize"
-# ... or with input_ids decoded as text_output (vLLM's /detokenize).
+# ... or with input_ids decoded as text_output (vLLM's /detokenize) ...
 DETOKENIZE = "detokenize"
+# ... or with the prompt's EMBEDDING (the last token's final hidden state, L2-normalised).
+EMBED = "embed"
 
 # The BOOL inputs: options of the request, false when left out.
 FLAG_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, RETURN_FINISH_REASON, RETURN_NUM_INPUT_TOKENS,
-               RETURN_NUM_OUTPUT_TOKENS, RETURN_LOGPROBS, TOKENIZE, DETOKENIZE)
+               RETURN_NUM_OUTPUT_TOKENS, RETURN_LOGPROBS, TOKENIZE, DETOKENIZE, EMBED)
 
 # ---- outputs -----------------------------------------------------------------------------
 TEXT_OUTPUT = "text_output"
@@ -84,6 +86,7 @@ LOGPROBS = "logprobs"
 STOP_REASON = "stop_reason"
 PROMPT_LOGPROBS = "prompt_logprobs"
 PROMPT_IDS = "prompt_ids"  # TOKENIZE's answer
+EMBEDDING = "embedding"  # EMBED's answer (FP32)
 
 # The model's signature (auto-complete): (name, datatype, dims), -1 where variable.
 INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -99,6 +102,7 @@ INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (INPUT_IDS, "INT64", (-1,)),
     (TOKENIZE, "BOOL", (1,)),
     (DETOKENIZE, "BOOL", (1,)),
+    (EMBED, "BOOL", (1,)),
 )
 OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (TEXT_OUTPUT, "BYTES", (-1,)),
@@ -110,6 +114,7 @@ OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     (STOP_REASON, "BYTES", (-1,)),
     (PROMPT_LOGPROBS, "BYTES", (-1,)),
     (PROMPT_IDS, "INT64", (-1,)),
+    (EMBEDDING, "FP32", (-1,)),
 )
 
 # ---- finish reasons (the finish_reason output; OpenAI's values) ---------------------------

@@ -264,3 +264,25 @@ def test_concurrent_embed_calls_batch_in_text_embedding(pipeline: PierProcess) -
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 16 and executions < 16, (inferences, executions)
+
+
+def test_embed_on_the_openai_embeddings_api(pipeline: PierProcess, reference: np.ndarray) -> None:
+    """The embed ensemble declares openai_embeddings, so a RAG stack's openai client gets the same
+    vectors from /v1/embeddings: the SDK's default call (base64) equals the float one."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{pipeline.base()}/v1", api_key="none")
+    assert [m.id for m in client.models.list().data] == ["embed"]
+    default = client.embeddings.create(model="embed", input=SENTENCES)  # the SDK asks for base64
+    floats = client.embeddings.create(model="embed", input=SENTENCES, encoding_format="float")
+    got = np.array([d.embedding for d in default.data])
+    assert np.array_equal(got, np.array([d.embedding for d in floats.data]))
+    assert [d.index for d in default.data] == list(range(len(SENTENCES)))
+    assert ((got * reference).sum(1)).min() > 0.999
+    short = client.embeddings.create(model="embed", input="A man is eating food.", dimensions=64,
+                                     encoding_format="float").data[0].embedding
+    assert len(short) == 64 and abs(np.linalg.norm(short) - 1.0) < 1e-5
+    with pytest.raises(openai.BadRequestError, match="takes text"):
+        client.embeddings.create(model="embed", input=[[1, 2, 3]])
+    with pytest.raises(openai.BadRequestError, match="dimensions=999"):
+        client.embeddings.create(model="embed", input="x", dimensions=999)

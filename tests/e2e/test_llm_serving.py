@@ -406,6 +406,32 @@ def test_tokenize_and_detokenize_as_vllm(server: PierProcess) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_llm_embeddings_match_transformers(oai, server: PierProcess) -> None:
+    """/v1/embeddings on the LLM: vLLM's embed runner (last token, normalised) on the same weights
+    as transformers; the SDK's default (base64) equals the float call; text and token ids."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    folder = server.model_dir  # type: ignore[attr-defined]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    texts = ["The quick brown fox.", "Paged attention keeps blocks."]
+    model = transformers.AutoModel.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [torch.nn.functional.normalize(model(torch.tensor([tok.encode(t).ids])).last_hidden_state[0, -1],
+                                             dim=-1).numpy() for t in texts]
+    default = oai.embeddings.create(model="tiny_llama", input=texts)
+    floats = oai.embeddings.create(model="tiny_llama", input=texts, encoding_format="float")
+    got = np.array([d.embedding for d in default.data])
+    assert np.array_equal(got, np.array([d.embedding for d in floats.data]))
+    assert min(float(np.dot(g, r)) for g, r in zip(got, ref)) > 0.999
+    assert default.usage.prompt_tokens == sum(len(tok.encode(t).ids) for t in texts)
+    ids = oai.embeddings.create(model="tiny_llama", input=[tok.encode(texts[0]).ids], encoding_format="float")
+    assert np.allclose(ids.data[0].embedding, got[0], atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: truncate"):
+        oai.embeddings.create(model="tiny_llama", input="x", extra_body={"truncate": 5})
+
+
 def test_openai_errors(oai, server: PierProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="nope"):
         oai.completions.create(model="nope", prompt="x")

@@ -13,6 +13,7 @@ scheduled, counted and cancelled (client gone) like any other.
 - `streaming`: the streamed answer (server-sent events);
 - `tools`: tool calls, forced through structured output or found in the text by a parser;
 - `tokenize`: vLLM's /tokenize and /detokenize;
+- `embeddings`: /v1/embeddings, for LLMs and for models declared with `openai_embeddings`;
 - `service`: the handlers, running a call through the above.
 """
 
@@ -30,6 +31,7 @@ def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> No
         app.router.add_get("/v1/models" + slash, h.models)
         app.router.add_post("/v1/completions" + slash, h.completions)
         app.router.add_post("/v1/chat/completions" + slash, h.chat_completions)
+        app.router.add_post("/v1/embeddings" + slash, h.embeddings)
     app.router.add_post("/tokenize", h.tokenize)  # vLLM's
     app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/health", h.health)

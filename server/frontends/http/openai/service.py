@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+import pier.frontends.http.openai.embeddings as embeddings
 import pier.frontends.http.openai.tokenize as tokenization
 import pier.frontends.http.openai.tools as tools
 from pier import __version__
@@ -116,10 +117,26 @@ class OpenAIHandlers:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
+        served = {**{m: None for m in self.plane.models_with_parameter(embeddings.PARAMETER)},
+                  **{m: info.get(llm.INFO_MAX_MODEL_LEN) for m, info in
+                     self.plane.models_with_backend(llm.BACKEND_NAME).items()}}
         data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
-                 llm.INFO_MAX_MODEL_LEN: info.get(llm.INFO_MAX_MODEL_LEN)}
-                for m, info in self.plane.models_with_backend(llm.BACKEND_NAME).items()]
+                 llm.INFO_MAX_MODEL_LEN: limit} for m, limit in sorted(served.items())]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's /v1/embeddings, for LLMs and for models declared with openai_embeddings."""
+        try:
+            doc = await read_body(request, self.max_json_size)
+            llms = self.plane.models_with_backend(llm.BACKEND_NAME)
+            declared = self.plane.models_with_parameter(embeddings.PARAMETER)
+            model = check_model(doc.get("model"), sorted({*llms, *declared}))
+            body = await embeddings.embed(self.plane, model, doc, None if model in llms else declared[model])
+        except BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        except PierError as exc:
+            return pier_error(exc)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: the model's token ids for a prompt or a chat."""
