@@ -189,12 +189,22 @@ class LLMInstance(ModelInstance):
         # "parameters": {"temperature": 0, ...}); the sampling_parameters input wins.
         known = {f.name for f in dataclasses.fields(self._sampling_cls)} - {"extra"}
         sampling_doc = {**{k: v for k, v in request.parameters.items() if k in known}, **sampling_doc}
+        engine = self.engine.engine
+        defaults = engine.generation_defaults  # generation_config.json's, for what the request leaves out (vLLM)
+        sampling_doc = {**defaults, **{k: v for k, v in sampling_doc.items() if v is not None or k not in defaults}}
         if flags[llm.EMBED]:  # one forward pass over the prompt, nothing generated
             sampling_doc = {**sampling_doc, "embed": True, "max_tokens": 1}
         try:
             sampling = self._sampling_cls.from_json(sampling_doc)
         except (ValueError, TypeError) as exc:
             raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
+        cap = engine.config.max_tokens_cap
+        if cap is not None and not sampling.embed:
+            if sampling.max_tokens is None:
+                sampling = dataclasses.replace(sampling, max_tokens=cap)
+            elif sampling.max_tokens > cap:
+                raise invalid_arg(f"max_tokens={sampling.max_tokens} is more than this model allows "
+                                  f"(max_tokens_cap={cap})")
         messages = _scalar(request, llm.CHAT_MESSAGES)
         token_ids = next((t for t in request.inputs if t.name == llm.INPUT_IDS), None)
         if token_ids is not None and token_ids.data.size:

@@ -36,6 +36,11 @@ class EngineConfig:
     # "fcfs": first come, first served; "priority": requests' `priority` first (lower value first,
     # ties by arrival), and the preemption victim is the lowest priority, latest arrival (vLLM's).
     scheduling_policy: str = "fcfs"
+    # "auto": the model folder's generation_config.json supplies sampling defaults (temperature,
+    # top_p, top_k, min_p, repetition_penalty) and max_new_tokens as the default max_tokens, as
+    # vLLM's --generation-config auto; "vllm": ignore it.
+    generation_config: str = "auto"
+    max_tokens_cap: int | None = None  # the most max_tokens a request may ask for (more is a 400)
     swap_space_bytes: int = 0
     max_model_len: int | None = None
     num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
@@ -49,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError("max_tokens_cap must be at least 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.attention not in _ATTENTION:
@@ -93,7 +102,7 @@ class EngineConfig:
 def _parse(name: str, text: str) -> object:
     if name in ("model_path",):
         return Path(text) if text else None
-    if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy"):
+    if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config"):
         return text.lower()
     if name == "enable_prefix_caching":
         low = text.lower()
@@ -104,6 +113,6 @@ def _parse(name: str, text: str) -> object:
         return float(text)
     if name in ("kv_cache_memory_bytes", "swap_space_bytes"):
         return int(float(text))
-    if name in ("max_model_len", "num_threads"):
+    if name in ("max_model_len", "num_threads", "max_tokens_cap"):
         return int(text) if text else None
     return int(text)

@@ -6,10 +6,12 @@ Single-threaded by design; `AsyncLLMEngine` (async_engine.py) drives it from its
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,6 +93,25 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def _generation_defaults(folder: Path) -> dict[str, Any]:
+    """generation_config.json's sampling defaults, by vLLM's names (the fields vLLM takes from it)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(raw, dict):
+        return {}
+    return {ours: raw[theirs] for theirs, ours in _GENERATION_KEYS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
+
+
 def _device(cfg: EngineConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,6 +152,7 @@ class LLMEngine:
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
+        self.generation_defaults = _generation_defaults(folder) if cfg.generation_config == "auto" else {}
         self._requests: dict[str, list[Seq]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0

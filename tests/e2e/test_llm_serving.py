@@ -685,17 +685,21 @@ def test_named_and_required_tool_calls_parse_and_validate(oai) -> None:
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
-def test_auto_tool_choice_with_a_parser(tmp_path) -> None:
+def test_a_model_with_its_own_settings(tmp_path) -> None:
     """A model with `tool_call_parser` answers tool_choice "auto": free text, read by the parser
     (its formats are unit-tested in tests/server/test_openai_tools.py); a name it does not know
-    fails the load, naming the choices."""
+    fails the load, naming the choices. Its generation_config.json supplies sampling defaults and
+    max_tokens_cap bounds what a request may ask."""
     from tests.backends.llm.tiny_model import build_model
 
     repo = tmp_path / "repo"
-    build_model(repo / "auto_llama" / "1", "llama")
+    folder = build_model(repo / "auto_llama" / "1", "llama")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0, "max_new_tokens": 3}))
     config = ('backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
               'parameters { key: "tool_call_parser" value { string_value: "%s" } }\n')
-    (repo / "auto_llama" / "config.pbtxt").write_text(config % "hermes")
+    (repo / "auto_llama" / "config.pbtxt").write_text(
+        config % "hermes" + 'parameters { key: "max_tokens_cap" value { string_value: "8" } }\n')
     build_model(repo / "bad_parser" / "1", "llama")
     (repo / "bad_parser" / "config.pbtxt").write_text(config % "qwen_magic")
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=tmp_path / "pier.log",
@@ -705,6 +709,14 @@ def test_auto_tool_choice_with_a_parser(tmp_path) -> None:
         r = client.chat.completions.create(model="auto_llama", messages=[{"role": "user", "content": "x"}],
                                            tools=[ADD], max_tokens=6, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.choices[0].message.content  # no call in random text
+        # generation_config.json's defaults (as vLLM's --generation-config auto): greedy, 3 tokens
+        plain = [client.chat.completions.create(model="auto_llama", messages=[{"role": "user", "content": "hi"}],
+                                                extra_body={"ignore_eos": True}) for _ in range(2)]
+        assert [p.usage.completion_tokens for p in plain] == [3, 3]
+        assert plain[0].choices[0].message.content == plain[1].choices[0].message.content  # temperature 0
+        with pytest.raises(openai.BadRequestError, match=r"max_tokens=20 is more than this model allows"):
+            client.chat.completions.create(model="auto_llama", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=20)
         index = requests.post(f"{proc.base()}/v2/repository/index", json={}, timeout=10).json()
         (bad,) = [row for row in index if row["name"] == "bad_parser"]
         assert "tool_call_parser 'qwen_magic' is not one of hermes, llama3_json, mistral" in bad["reason"], bad
