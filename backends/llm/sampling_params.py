@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .structured import StructuredOutputs
@@ -47,7 +47,6 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow (structured.py)
     priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's request priority)
     embed: bool = False  # nothing is generated: the answer is the prompt's embedding (last token, L2-normalised)
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,18 +107,21 @@ class SamplingParams:
     def from_json(cls, obj: Mapping[str, Any]) -> SamplingParams:
         """Build from a JSON object (Triton vLLM `sampling_parameters`, an OpenAI body's fields).
 
-        Numbers may arrive as strings (Triton clients often send them so). Unknown keys are kept in
-        `extra`, not rejected, because clients send frontend-only fields (e.g. `stream`).
+        Numbers may arrive as strings (Triton clients often send them so). A key this engine does
+        not implement is refused, not ignored (as Triton's vLLM backend's SamplingParams(**params)
+        refuses it): a request must not be answered as if it had been honoured.
         Raises ValueError naming the bad field.
         """
         if not isinstance(obj, Mapping):
             raise ValueError("sampling parameters must be a JSON object")
-        known = {f.name for f in fields(cls)} - {"extra"}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k, v in obj.items() if k not in known and v is not None)
+        if unknown:
+            raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
         kwargs: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
         for key, value in obj.items():
             if key not in known:
-                extra[key] = value
+                continue
             elif value is None:
                 if key in ("max_tokens", "seed", "logprobs"):
                     kwargs[key] = None
@@ -127,7 +129,7 @@ class SamplingParams:
                 kwargs[key] = value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
             else:
                 kwargs[key] = _coerce(key, value)
-        return cls(**kwargs, extra=extra)
+        return cls(**kwargs)
 
 
 def _coerce(key: str, value: Any) -> Any:

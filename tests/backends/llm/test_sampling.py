@@ -13,10 +13,11 @@ def test_from_json_accepts_vllm_names():
     p = SamplingParams.from_json({
         "max_tokens": "32", "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
         "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
-        "stop": "###", "stop_token_ids": [3], "ignore_eos": "true", "n": 2, "logprobs": 2, "stream": True,
+        "stop": "###", "stop_token_ids": [3], "ignore_eos": "true", "n": 2, "logprobs": 2,
     })
     assert p.max_tokens == 32 and p.top_k == 5 and p.stop == ("###",) and p.ignore_eos and p.n == 2
-    assert p.extra == {"stream": True}
+    with pytest.raises(ValueError, match="unsupported sampling parameter\\(s\\): best_of, use_beam_search"):
+        SamplingParams.from_json({"use_beam_search": True, "best_of": 2, "temperature": 1})  # never ignored
 
 
 @pytest.mark.parametrize("body,word", [
