@@ -599,6 +599,23 @@ def test_structured_output_sdk_parse_into_a_pydantic_model(oai) -> None:
     assert isinstance(parsed.choices[0].message.parsed, Thing)
 
 
+def test_langchain_with_structured_output(server: PierProcess) -> None:
+    """langchain-openai's with_structured_output (json_schema by default) gets a parsed object."""
+    from typing import Literal
+
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class Verdict(pydantic.BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    chat = ChatOpenAI(model="tiny_llama", base_url=f"{server.base()}/v1", api_key="none", max_tokens=40,
+                      temperature=1.0, seed=3)
+    result = chat.with_structured_output(Verdict).invoke("Is the sky blue?")
+    assert isinstance(result, Verdict)
+
+
 def test_structured_outputs_choice_regex_and_generate(oai, server: PierProcess) -> None:
     """vLLM's structured_outputs (extra_body), and the same object in Triton generate's
     sampling_parameters; an unsatisfiable schema is a 400 that says so."""
