@@ -10,7 +10,7 @@ import signal
 
 from aiohttp import web
 
-from pier import log_settings, restrictions
+from pier import guards, log_settings, restrictions
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.grpc.servicer import start_grpc_server
@@ -62,17 +62,23 @@ class PierServer:
     async def start_endpoints(self) -> None:
         s = self.settings
         metrics = None
+        keys = guards.ApiKeys(s.api_keys)
+        default_rate, model_rates = guards.parse_model_rates(s.rate_limit_model)
+        limiter = guards.RateLimiter(default_rate, model_rates,
+                                     guards.parse_rate(s.rate_limit_key, "--rate-limit-key") if s.rate_limit_key
+                                     else None)
         if s.allow_metrics:
             renderer = MetricsRenderer(self.lifecycle.metered_models, MetricsConfig.parse(s.metrics_config),
                                        self.lifecycle.traffic, s.allow_cpu_metrics, self.plane.cache)
 
             async def metrics(request: web.Request) -> web.Response:
-                return web.Response(body=renderer.render(), headers={"Content-Type": CONTENT_TYPE})
+                body = renderer.render() + limiter.prometheus().encode()
+                return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size,
                             restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics,
-                            s.http_header_forward_pattern)
+                            s.http_header_forward_pattern, (keys, limiter))
             await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
             log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
         if s.allow_grpc:
@@ -82,7 +88,7 @@ class PierServer:
                                                      s.grpc_options, s.reuse_grpc_port, s.grpc_ssl,
                                                      restrictions.parse(s.grpc_restricted_protocol,
                                                                         "--grpc-restricted-protocol"),
-                                                     s.grpc_header_forward_pattern)
+                                                     s.grpc_header_forward_pattern, keys, limiter)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
             log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")

@@ -84,6 +84,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          help="accepted for tritonserver compatibility (CPU use is measured between scrapes)")
     flag("--id", default=SERVER_NAME, help="server name reported in server metadata (Triton's default: its client "
          "examples check it; --id pier names Pier)")
+    flag("--api-key", action="append", default=[], metavar="KEY",
+         help="require this API key (Authorization: Bearer KEY or api-key: KEY) on every request but health "
+         "probes; repeatable (the keys on a command line show in `ps`: prefer --api-key-file)")
+    flag("--api-key-file", action="append", default=[], metavar="PATH", help="API keys, one per line")
+    flag("--rate-limit-model", action="append", default=[], metavar="[MODEL=]RATE[:BURST]",
+         help="inference requests per second per model (without MODEL: every model's default); 429 when over")
+    flag("--rate-limit-key", default="", metavar="RATE[:BURST]", help="inference requests per second per API key")
     flag("--model-namespacing", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
          help="each model repository is a namespace: the same model name may live in several, an ensemble "
          "calls the composing models of its own repository first, and a name in several answers as ambiguous")
@@ -134,6 +141,23 @@ IGNORED_FLAGS = (
     "grpc-max-response-pool-size", "grpc-infer-response-compression-level", "model-load-retry-count",
     "allow-sagemaker", "allow-vertex-ai",
 )
+
+
+def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:
+    from pier import guards
+
+    try:
+        keys = guards.parse_keys(args.api_key, args.api_key_file)
+        guards.parse_model_rates(args.rate_limit_model)
+        if args.rate_limit_key:
+            guards.parse_rate(args.rate_limit_key, "--rate-limit-key")
+            if not keys:
+                parser.error("--rate-limit-key needs API keys (--api-key or --api-key-file)")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if (args.api_key or args.api_key_file) and not keys:
+        parser.error("--api-key / --api-key-file: no key given (empty)")
+    return keys
 
 
 def _grpc_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> GrpcSsl | None:
@@ -240,6 +264,9 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         server_id=args.id,
         model_config_name=args.model_config_name,
         model_namespacing=args.model_namespacing,
+        api_keys=_api_keys(args, parser),
+        rate_limit_model=tuple(args.rate_limit_model),
+        rate_limit_key=args.rate_limit_key,
         http_restricted_api=tuple(args.http_restricted_api),
         response_cache_bytes=cache_bytes,
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),

@@ -42,6 +42,9 @@ class Settings:
     server_id: str = SERVER_NAME  # --id: the name server metadata reports
     model_config_name: str = ""  # --model-config-name: use configs/<name>.pbtxt where a model has it
     model_namespacing: bool = False  # --model-namespacing: each repository is a namespace
+    api_keys: frozenset[str] = frozenset()  # --api-key / --api-key-file: the data plane needs one of these
+    rate_limit_model: tuple[str, ...] = ()  # --rate-limit-model: [MODEL=]RATE[:BURST]
+    rate_limit_key: str = ""  # --rate-limit-key: RATE[:BURST] per API key
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False
     grpc_ssl: GrpcSsl | None = None

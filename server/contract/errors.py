@@ -17,6 +17,8 @@ class ErrorCode(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     CANCELLED = "CANCELLED"
     TOO_LARGE = "TOO_LARGE"
+    RATE_LIMITED = "RATE_LIMITED"  # Pier's: a rate limit (HTTP 429, gRPC RESOURCE_EXHAUSTED)
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # Pier's: no valid API key (HTTP 401, gRPC UNAUTHENTICATED)
 
 
 def printable(text: str) -> str:

@@ -22,7 +22,9 @@ from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.grpc import codec
 from pier.frontends.grpc.errors import grpc_code
+from pier.frontends.grpc.guard import GrpcApiKeys
 from pier.frontends.grpc.restrict import GrpcRestrictions
+from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
@@ -108,13 +110,20 @@ def _repository_parameters(params: Any) -> dict[str, Any]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, plane: DataPlane, control: ControlPlane, header_pattern: str = "") -> None:
+    def __init__(self, plane: DataPlane, control: ControlPlane, header_pattern: str = "",
+                 limiter: RateLimiter | None = None) -> None:
         self.plane = plane
         self.control = control
         # --grpc-header-forward-pattern: metadata that becomes request parameters
         self.header_pattern = compile_pattern(header_pattern)
+        self.limiter = limiter
 
     def _decode(self, request: pb.ModelInferRequest, context: Any) -> InferenceRequest:
+        if self.limiter is not None and self.limiter.enabled:  # --rate-limit-model / --rate-limit-key
+            key = presented_key(dict(context.invocation_metadata() or ()))
+            refused = self.limiter.admit(request.model_name, key)
+            if refused is not None:
+                raise PierError(ErrorCode.RATE_LIMITED, limited_message(request.model_name, refused[1], refused[0]))
         decoded = codec.decode_request(request, self.plane.shared_memory)
         if self.header_pattern is not None:
             forward_headers(self.header_pattern, context.invocation_metadata() or (), decoded.parameters)
@@ -371,18 +380,21 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: str, max_message_bytes: int,
                             options: Sequence[tuple[str, int]] = (), reuse_port: bool = False,
                             ssl: GrpcSsl | None = None, restricted: restrictions.Rules | None = None,
-                            header_pattern: str = "") -> grpc.aio.Server:
+                            header_pattern: str = "", keys: ApiKeys | None = None,
+                            limiter: RateLimiter | None = None) -> grpc.aio.Server:
     """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), `ssl`
     serves TLS (mutual: client certificates must chain to its root certificate), `restricted`
     names protocol categories that need a header (--grpc-restricted-protocol)."""
-    interceptors = [GrpcRestrictions(restricted)] if restricted else None
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    interceptors: list[grpc.aio.ServerInterceptor] = [GrpcRestrictions(restricted)] if restricted else []
+    if keys is not None and keys.enabled:
+        interceptors.append(GrpcApiKeys(keys))
+    server = grpc.aio.server(interceptors=interceptors or None, options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port)),
         *options,
     ])
-    _add_service(server, InferenceServicer(plane, control, header_pattern),
+    _add_service(server, InferenceServicer(plane, control, header_pattern, limiter),
                  pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
     _add_service(server, HealthServicer(plane), health_pb2.DESCRIPTOR.services_by_name["Health"])
     if ssl is not None:

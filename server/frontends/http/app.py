@@ -16,7 +16,8 @@ from pier.contract.types import InferenceRequest, InferenceResponse
 from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.http import codec, generate, openai
-from pier.frontends.http.middleware import error_middleware, restrict_middleware
+from pier.frontends.http.middleware import error_middleware, guard_middleware, restrict_middleware
+from pier.guards import ApiKeys, RateLimiter
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.validation import HeaderPattern, forward_headers
 from pier.validation import header_pattern as compile_pattern
@@ -289,11 +290,13 @@ MAX_BODY_BYTES = (1 << 31) - 1
 def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
               restricted: restrictions.Rules | None = None,
               metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
-              header_pattern: str = "") -> web.Application:
+              header_pattern: str = "", guards: tuple[ApiKeys, RateLimiter] | None = None) -> web.Application:
     """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api);
     `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
     scrape jobs written for vLLM work)."""
     middlewares = [error_middleware] + ([restrict_middleware(restricted)] if restricted else [])
+    if guards is not None and (guards[0].enabled or guards[1].enabled):
+        middlewares.append(guard_middleware(*guards))
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     h = HttpHandlers(plane, control, max_input_size, compile_pattern(header_pattern))
     model = "/v2/models/{model}"

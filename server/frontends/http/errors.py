@@ -13,6 +13,8 @@ _STATUS = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.UNSUPPORTED: 501,
     ErrorCode.TOO_LARGE: 413,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.UNAUTHENTICATED: 401,
 }
 
 

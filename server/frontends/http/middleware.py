@@ -4,12 +4,15 @@ and `--http-restricted-api` (pier/restrictions.py parses the rules) is enforced 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
+import orjson
 from aiohttp import web
 
 from pier.contract.errors import PierError
 from pier.frontends.http.errors import error_response, from_error
+from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
 from pier.restrictions import Rules
 
 log = logging.getLogger("pier.http")
@@ -85,3 +88,59 @@ def restrict_middleware(rules: Rules) -> Callable[..., Awaitable[web.StreamRespo
     return restrict
 
 
+
+
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # probes and scrapes stay open
+
+
+def _openai_error(status: int, message: str, kind: str, code: str, headers: dict[str, str]) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def _model_of(request: web.Request) -> str:
+    """The model an inference request names: in the path (/v2), or the JSON body's "model" (/v1)."""
+    model = request.match_info.get("model")
+    if model is not None:
+        return model
+    try:
+        doc = orjson.loads(await request.read())  # aiohttp keeps the body for the handler
+    except (orjson.JSONDecodeError, web.HTTPException):
+        return ""
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) else ""
+
+
+def guard_middleware(keys: ApiKeys, limiter: RateLimiter) -> Callable[[web.Request, Handler],
+                                                                      Awaitable[web.StreamResponse]]:
+    """--api-key: every path but the health probes needs a key (401, in OpenAI's shape on /v1);
+    --rate-limit-model / --rate-limit-key: inference requests over a limit get 429 and Retry-After."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        key = presented_key(request.headers)
+        if keys.enabled and not (path.startswith("/v2/health/") or path in _OPEN_PATHS) and not keys.allows(key):
+            message = ("Incorrect API key provided." if key is not None else
+                       "You didn't provide an API key: send Authorization: Bearer KEY (or an api-key header).")
+            headers = {"WWW-Authenticate": "Bearer"}
+            if path.startswith("/v1/"):
+                return _openai_error(401, message, "invalid_request_error", "invalid_api_key", headers)
+            response = error_response(401, message)
+            response.headers.update(headers)
+            return response
+        if limiter.enabled and request.method == "POST" and http_category(path) == "inference":
+            model = await _model_of(request)
+            refused = limiter.admit(model, key)
+            if refused is not None:
+                wait, scope = refused
+                message = limited_message(model, scope, wait)
+                headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+                if path.startswith("/v1/"):
+                    return _openai_error(429, message, "requests", "rate_limit_exceeded", headers)
+                response = error_response(429, message)
+                response.headers.update(headers)
+                return response
+        return await handler(request)
+
+    return guard

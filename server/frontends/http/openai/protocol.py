@@ -17,10 +17,12 @@ from pier.frontends.json_data import json_type
 SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
             "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "skip_special_tokens",
             "include_stop_str_in_output", "logit_bias", "priority")
-_STATUS_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
+_STATUS_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 404: "NotFoundError", 413: "BadRequestError",
+                 429: "RateLimitError", 500: "InternalServerError",
                  501: "NotImplementedError", 503: "ServiceUnavailableError"}
 _CODE_STATUS = {ErrorCode.INVALID_ARG: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.UNSUPPORTED: 400,
-                ErrorCode.TOO_LARGE: 413, ErrorCode.UNAVAILABLE: 503}
+                ErrorCode.TOO_LARGE: 413, ErrorCode.UNAVAILABLE: 503, ErrorCode.RATE_LIMITED: 429,
+                ErrorCode.UNAUTHENTICATED: 401}
 
 
 class BadRequest(Exception):
