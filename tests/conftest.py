@@ -67,8 +67,9 @@ class PierProcess:
 
 
 def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool = True,
-               timeout: float = 60, env: dict[str, str] | None = None) -> PierProcess:
-    http, grpc_, metrics = free_port(), free_port(), free_port()
+               timeout: float = 60, env: dict[str, str] | None = None,
+               ports: tuple[int, int, int] | None = None) -> PierProcess:
+    http, grpc_, metrics = ports or (free_port(), free_port(), free_port())
     cmd = [sys.executable, "-m", "pier", "serve",
            *[f"--model-repository={r}" for r in repos],
            f"--http-port={http}", f"--grpc-port={grpc_}", f"--metrics-port={metrics}",

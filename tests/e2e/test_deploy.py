@@ -107,10 +107,14 @@ def _promql(tools) -> list[str]:
 _FUNCTIONS = {"sum", "rate", "max", "min", "clamp_min", "by", "avg", "count", "irate", "increase"}
 
 
-def test_manifests_hold_against_a_live_server(tools, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def live(tools, tmp_path_factory: pytest.TempPathFactory):
+    """A `pier serve` started with the rendered Deployment's arguments (its ports free ones), serving
+    `simple` and a tiny LLM, after some traffic to both."""
     from tests.backends.llm.tiny_model import build_model
 
-    repo = tmp_path / "repo"
+    tmp = tmp_path_factory.mktemp("live")
+    repo = tmp / "repo"
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     build_model(repo / "tiny_llm" / "1", "llama")
     (repo / "tiny_llm" / "config.pbtxt").write_text(
@@ -119,43 +123,120 @@ def test_manifests_hold_against_a_live_server(tools, tmp_path: Path) -> None:
     (deployment,) = [d for d in _docs(_render(tools, "--set", f"ports.http={http}", "--set", f"ports.grpc={grpc}",
                                               "--set", f"ports.metrics={metrics}")) if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    args = [a.replace(f"={container['volumeMounts'][0]['mountPath']}", f"={repo}")
-            if a.startswith("--model-repository=") else a for a in container["args"]]
-    args = [a for a in args if not a.startswith(("--http-port", "--grpc-port", "--metrics-port"))]
-    server = start_pier([repo], *[a for a in args if not a.startswith("--model-repository")],
-                        log_path=tmp_path / "pier.log", timeout=120)
+    args = [a for a in container["args"] if not a.startswith(("--model-repository", "--http-port", "--grpc-port",
+                                                              "--metrics-port"))]
+    server = start_pier([repo], *args, log_path=tmp / "pier.log", timeout=120, ports=(http, grpc, metrics))
+    body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+                       for n in ("INPUT0", "INPUT1")]}
+    for _ in range(3):
+        assert requests.post(f"{server.base()}/v2/models/simple/infer", json=body, timeout=30).status_code == 200
+    r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llm", "prompt": "x", "max_tokens": 2},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    yield server, container, {"http": http, "grpc": grpc, "metrics": metrics}
+    assert server.stop() == 0
+
+
+def test_manifests_hold_against_a_live_server(tools, live) -> None:
+    server, container, wanted = live
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == wanted == {"http": server.http_port, "grpc": server.grpc_port, "metrics": server.metrics_port}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["port"] == "http"
+        r = requests.get(f"http://127.0.0.1:{server.http_port}{get['path']}", timeout=10)
+        assert r.status_code == 200, (probe, get, r.status_code)
+    # every metric name in every shipped query is exported
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    exported |= {n.rsplit("_", 1)[0] for n in exported if n.endswith(("_total", "_bucket", "_count", "_sum"))}
+    for expr in _promql(tools):
+        bare = re.sub(r"\b(by|without)\s*\([^)]*\)", "", re.sub(r"<<[^>]*>>", "", expr))
+        bare = re.sub(r"\{[^}]*\}", "{}", bare)  # label matchers: not metric names
+        names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{|\[|\))", bare)) - _FUNCTIONS
+        assert names and names <= exported, (expr, names - exported)
+    # the KServe runtime's arguments are ones Pier takes (--model-store, its ports)
+    runtime = yaml.safe_load((KSERVE / "clusterservingruntime.yaml").read_text())
+    kargs = runtime["spec"]["containers"][0]["args"]
+    assert "--model-store=/mnt/models" in kargs
+    assert runtime["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    help_text = _run([sys.executable, "-m", "pier", "serve", "--help"]).stdout
+    for a in kargs:
+        assert a.split("=")[0] in help_text, a
+
+
+RULES_TEST = """rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'nv_inference_queue_duration_us{pod="p"}'
+        values: '0+1200x10'
+      - series: 'nv_inference_compute_infer_duration_us{pod="p"}'
+        values: '0+600x10'
+      - series: 'vllm:kv_cache_usage_perc{pod="p"}'
+        values: '0.9x10'
+    promql_expr_test:
+      - expr: pier:queue_to_compute_ratio
+        eval_time: 5m
+        exp_samples: [{labels: 'pier:queue_to_compute_ratio{pod="p"}', value: 2}]
+    alert_rule_test:
+      - alertname: PierKVCacheNearlyFull
+        eval_time: 8m
+        exp_alerts: [{exp_labels: {pod: p, severity: warning},
+                      exp_annotations: {summary: "Pier pod p: the LLM's KV cache is 90% full"}}]
+"""
+
+
+def test_queries_on_a_real_prometheus(tools, live, tmp_path: Path) -> None:
+    """promtool checks and unit-tests the rules; a real Prometheus scrapes the live server (labelled
+    as the ServiceMonitor would label it) and every shipped query returns data, each KEDA query
+    exactly one series."""
+    import time
+
+    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    if not prometheus or not promtool:
+        pytest.skip("prometheus / promtool not installed (apt-get install prometheus)")
+    server, _, _ = live
+    (rule,) = [d for d in _docs(_render(tools, *VALUES["llm"])) if d["kind"] == "PrometheusRule"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    check = _run([promtool, "check", "rules", str(tmp_path / "rules.yaml")])
+    assert check.returncode == 0, check.stdout + check.stderr
+    (tmp_path / "rules_test.yaml").write_text(RULES_TEST)
+    unit = _run([promtool, "test", "rules", "rules_test.yaml"], cwd=tmp_path)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+    port = free_port()
+    labels = {"service": "t-pier", "pod": "t-pier-0", "namespace": "default"}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "pier", "static_configs": [
+            {"targets": [f"127.0.0.1:{server.metrics_port}"], "labels": labels}]}]}))
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={tmp_path / 'data'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        served = {"http": server.http_port, "grpc": server.grpc_port, "metrics": server.metrics_port}
-        assert set(ports) == set(served)
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            get = container[probe]["httpGet"]
-            assert get["port"] == "http" and ports["http"] == http
-            r = requests.get(f"http://127.0.0.1:{server.http_port}{get['path']}", timeout=10)
-            assert r.status_code == 200, (probe, get, r.status_code)
-        # traffic, then every metric name in every shipped query must be exported
-        body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
-                           for n in ("INPUT0", "INPUT1")]}
-        for _ in range(3):
-            assert requests.post(f"{server.base()}/v2/models/simple/infer", json=body, timeout=30).status_code == 200
-        r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llm", "prompt": "x", "max_tokens": 2},
-                          timeout=60)
-        assert r.status_code == 200, r.text
-        text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
-        exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-        exported |= {n.rsplit("_", 1)[0] for n in exported if n.endswith(("_total", "_bucket", "_count", "_sum"))}
+        def query(expr: str) -> list:
+            try:
+                r = requests.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr}, timeout=10)
+            except requests.ConnectionError:  # not up yet
+                return []
+            return r.json()["data"]["result"] if r.ok else []
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not query('rate(nv_inference_count{model="simple"}[1m])'):
+            time.sleep(1)
+        keda = {q for d in _docs(_render(tools, *VALUES["keda"])) if d["kind"] == "ScaledObject"
+                for q in (t["metadata"]["query"] for t in d["spec"]["triggers"])}
+        keda.add(yaml.safe_load((KSERVE / "inferenceservice-keda.yaml").read_text())["spec"]["predictor"][
+            "autoScaling"]["metrics"][0]["external"]["metric"]["query"].replace("simple-predictor", "t-pier"))
         for expr in _promql(tools):
-            bare = re.sub(r"\b(by|without)\s*\([^)]*\)", "", re.sub(r"<<[^>]*>>", "", expr))
-            bare = re.sub(r"\{[^}]*\}", "{}", bare)  # label matchers: not metric names
-            names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{|\[|\))", bare)) - _FUNCTIONS
-            assert names and names <= exported, (expr, names - exported)
-        # the KServe runtime's arguments are ones Pier takes (--model-store, its ports)
-        runtime = yaml.safe_load((KSERVE / "clusterservingruntime.yaml").read_text())
-        kargs = runtime["spec"]["containers"][0]["args"]
-        assert "--model-store=/mnt/models" in kargs and runtime["spec"]["containers"][0]["readinessProbe"][
-            "httpGet"]["path"] == "/v2/health/ready"
-        help_text = _run([sys.executable, "-m", "pier", "serve", "--help"]).stdout
-        for a in kargs:
-            assert a.split("=")[0] in help_text, a
+            expr = expr.replace("<<.LabelMatchers>>", 'namespace="default",pod="t-pier-0"').replace(
+                "<<.GroupBy>>", "pod").replace("simple-predictor", "t-pier")
+            expr = re.sub(r"\s*[<>]=?\s*[0-9.]+$", "", expr)  # an alert's condition: the series it watches
+            result = query(expr)
+            assert result, expr
+            if expr in keda:
+                assert len(result) == 1, (expr, result)
     finally:
-        assert server.stop() == 0
+        proc.terminate()
+        proc.wait(timeout=30)
