@@ -224,10 +224,8 @@ def validate_config(config: mc.ModelConfig, source: str) -> None:
         raise fail(f"max_batch_size must be >= 0, got {config.max_batch_size}")
     if config.platform == "ensemble" or config.backend == "ensemble":
         return
-    if not config.input:
-        raise fail("model configuration must specify at least one input")
-    if not config.output:
-        raise fail("model configuration must specify at least one output")
+    # As Triton's core: a model may declare no inputs (a generator) or no outputs; its backend
+    # decides (an override config such as {"max_batch_size": 16} on a python model loads there).
     for kind, tensors in (("input", config.input), ("output", config.output)):
         seen: set[str] = set()
         for t in tensors:

@@ -6,6 +6,7 @@ loads that leave the served version alone, per-version load/unload, racing calls
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -420,3 +421,19 @@ def test_metrics_keep_a_draining_version_until_it_unloads(server: PierProcess, h
     assert line in during, "the draining version vanished from the metrics"
     wait_for(lambda: index(server).get(("slowm", "1")) == ("UNAVAILABLE", "unloaded"), what="slowm unloaded")
     assert line not in requests.get(metrics, timeout=5).text
+
+
+def test_an_override_config_may_leave_out_inputs(tmp_path: Path) -> None:
+    """simple_http_model_control.py: an override config replaces config.pbtxt whole, and
+    {"max_batch_size": "16"} names no inputs or outputs; Triton's core accepts that (its backend
+    decides), so the python model loads with it (Pier refused: 'must specify at least one input')."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tests" / "python_models" / "optional_pass", repo / "optional_pass")
+    server = start_pier([repo], "--model-control-mode=explicit", log_path=tmp_path / "p.log")
+    try:
+        client = httpclient.InferenceServerClient(server.http_url)
+        client.load_model("optional_pass", config='{"max_batch_size":"16"}')
+        assert client.get_model_config("optional_pass")["max_batch_size"] == 16
+        assert client.is_model_ready("optional_pass")
+    finally:
+        assert server.stop() == 0
