@@ -23,6 +23,7 @@ import numpy as np
 from pier.contract import llm
 from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
 from pier.data_plane import DataPlane
+from pier.frontends.http.openai.llm_io import bool_tensor, bytes_tensor, one_response
 from pier.frontends.http.openai.protocol import BadRequest
 
 PARAMETER = "openai_embeddings"  # the config parameter that declares an embedding model
@@ -55,17 +56,11 @@ def _request(model: str, inputs: list[Tensor], outputs: list[str]) -> InferenceR
 
 
 async def _one(plane: DataPlane, request: InferenceRequest, output: str) -> tuple[np.ndarray, int]:
-    stream = plane.responses(request)
-    try:
-        async for item in stream:
-            got = {t.name: t.data for t in item.outputs}
-            if output not in got:
-                raise BadRequest(f"the model answered without its '{output}' output", status=500)
-            count = got.get(llm.NUM_INPUT_TOKENS)
-            return got[output].astype(np.float32).reshape(-1), int(count.reshape(-1)[0]) if count is not None else 0
-    finally:
-        await stream.aclose()
-    raise BadRequest("the model sent no response", status=500)
+    got = await one_response(plane, request)
+    if output not in got:
+        raise BadRequest(f"the model answered without its '{output}' output", status=500)
+    count = got.get(llm.NUM_INPUT_TOKENS)
+    return got[output].astype(np.float32).reshape(-1), int(count.reshape(-1)[0]) if count is not None else 0
 
 
 async def embed(plane: DataPlane, model: str, doc: dict[str, Any], declared: str | None) -> dict[str, Any]:
@@ -114,9 +109,8 @@ async def embed(plane: DataPlane, model: str, doc: dict[str, Any], declared: str
 
 
 def _llm_inputs(item: str | list[int]) -> list[Tensor]:
-    flag = Tensor(llm.EMBED, "BOOL", [1], np.array([True]))
-    stream = Tensor(llm.STREAM, "BOOL", [1], np.array([False]))
-    if isinstance(item, str):
-        return [Tensor(llm.TEXT_INPUT, "BYTES", [1], np.array([item.encode("utf-8")], dtype=object)), flag, stream]
-    return [Tensor(llm.TEXT_INPUT, "BYTES", [1], np.array([b""], dtype=object)), flag, stream,
-            Tensor(llm.INPUT_IDS, "INT64", [len(item)], np.array(item, dtype=np.int64))]
+    inputs = [bytes_tensor(llm.TEXT_INPUT, item if isinstance(item, str) else ""), bool_tensor(llm.EMBED, True),
+              bool_tensor(llm.STREAM, False)]
+    if isinstance(item, list):
+        inputs.append(Tensor(llm.INPUT_IDS, "INT64", [len(item)], np.array(item, dtype=np.int64)))
+    return inputs

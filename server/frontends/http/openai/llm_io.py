@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from pier.contract import llm
+from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from pier.data_plane import DataPlane
 
@@ -19,11 +20,11 @@ Delta = dict[str, Any]
 completion_tokens, logprobs, prompt_logprobs} (the two last: LOGPROBS documents, or None)."""
 
 
-def _bytes_tensor(name: str, text: str) -> Tensor:
+def bytes_tensor(name: str, text: str) -> Tensor:
     return Tensor(name, "BYTES", [1], np.array([text.encode("utf-8")], dtype=object))
 
 
-def _bool_tensor(name: str, value: bool) -> Tensor:
+def bool_tensor(name: str, value: bool) -> Tensor:
     return Tensor(name, "BOOL", [1], np.array([value]))
 
 
@@ -32,13 +33,13 @@ def inference_request(model: str, prompt: str | list[int] | None, messages: Any,
     """A streamed request for one prompt (text or token ids) or one chat (`messages`: what the
     chat_messages input carries), every output it can ask for."""
     text = prompt if isinstance(prompt, str) else ""
-    inputs = [_bytes_tensor(llm.TEXT_INPUT, text), _bool_tensor(llm.STREAM, True),
-              _bytes_tensor(llm.SAMPLING_PARAMETERS, json.dumps(sampling)),
-              _bool_tensor(llm.EXCLUDE_INPUT_IN_OUTPUT, True), _bool_tensor(llm.RETURN_FINISH_REASON, True),
-              _bool_tensor(llm.RETURN_NUM_INPUT_TOKENS, True), _bool_tensor(llm.RETURN_NUM_OUTPUT_TOKENS, True),
-              _bool_tensor(llm.RETURN_LOGPROBS, logprobs)]
+    inputs = [bytes_tensor(llm.TEXT_INPUT, text), bool_tensor(llm.STREAM, True),
+              bytes_tensor(llm.SAMPLING_PARAMETERS, json.dumps(sampling)),
+              bool_tensor(llm.EXCLUDE_INPUT_IN_OUTPUT, True), bool_tensor(llm.RETURN_FINISH_REASON, True),
+              bool_tensor(llm.RETURN_NUM_INPUT_TOKENS, True), bool_tensor(llm.RETURN_NUM_OUTPUT_TOKENS, True),
+              bool_tensor(llm.RETURN_LOGPROBS, logprobs)]
     if messages is not None:
-        inputs.append(_bytes_tensor(llm.CHAT_MESSAGES, json.dumps(messages)))
+        inputs.append(bytes_tensor(llm.CHAT_MESSAGES, json.dumps(messages)))
     if isinstance(prompt, list):
         ids = np.array(prompt, dtype=np.int64)
         inputs.append(Tensor(llm.INPUT_IDS, "INT64", [len(prompt)], ids))
@@ -49,6 +50,18 @@ def inference_request(model: str, prompt: str | list[int] | None, messages: Any,
     if llm.SAMPLING_PROMPT_LOGPROBS in sampling:
         outputs.append(llm.PROMPT_LOGPROBS)
     return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
+
+
+async def one_response(plane: DataPlane, request: InferenceRequest) -> dict[str, np.ndarray]:
+    """The tensors of a request that answers once (tokenize, detokenize, an embedding), by name;
+    the model's refusal is raised (PierError)."""
+    stream = plane.responses(request)
+    try:
+        async for item in stream:
+            return {t.name: t.data for t in item.outputs}
+    finally:
+        await stream.aclose()
+    raise PierError(ErrorCode.INTERNAL, "the model sent no response")
 
 
 def _first(response: InferenceResponse, name: str) -> Any:

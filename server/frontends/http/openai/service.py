@@ -21,7 +21,7 @@ from pier.frontends.http.openai.chat import CHAT
 from pier.frontends.http.openai.choices import Deltas, close, merge, whole
 from pier.frontends.http.openai.completions import COMPLETIONS
 from pier.frontends.http.openai.endpoint import Call, Endpoint
-from pier.frontends.http.openai.llm_io import Delta, inference_request, response_deltas
+from pier.frontends.http.openai.llm_io import Delta, inference_request, one_response, response_deltas
 from pier.frontends.http.openai.protocol import (
     BadRequest,
     check_fields,
@@ -144,7 +144,7 @@ class OpenAIHandlers:
             doc = await read_body(request, self.max_json_size)
             models = self.plane.models_with_backend(llm.BACKEND_NAME)
             model = check_model(doc.get("model"), list(models))
-            got = await tokenization.answer(self.plane, tokenization.tokenize_request(model, doc))
+            got = await one_response(self.plane, tokenization.tokenize_request(model, doc))
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)
         except PierError as exc:
@@ -159,7 +159,7 @@ class OpenAIHandlers:
         try:
             doc = await read_body(request, self.max_json_size)
             model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
-            got = await tokenization.answer(self.plane, tokenization.detokenize_request(model, doc))
+            got = await one_response(self.plane, tokenization.detokenize_request(model, doc))
         except BadRequest as exc:
             return error(exc.status, exc.message, exc.param)
         except PierError as exc:

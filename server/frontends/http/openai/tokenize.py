@@ -17,21 +17,13 @@ import numpy as np
 
 from pier.contract import llm
 from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
-from pier.data_plane import DataPlane
 from pier.frontends.http.openai.chat import chat_payload, check_messages
+from pier.frontends.http.openai.llm_io import bool_tensor, bytes_tensor
 from pier.frontends.http.openai.protocol import BadRequest, lax_bool
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "continue_final_message", "chat_template_kwargs", "tools", "return_token_strs"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
-
-
-def _flag(name: str, value: bool) -> Tensor:
-    return Tensor(name, "BOOL", [1], np.array([value]))
-
-
-def _text(name: str, value: str) -> Tensor:
-    return Tensor(name, "BYTES", [1], np.array([value.encode("utf-8")], dtype=object))
 
 
 def _unknown(doc: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -46,19 +38,19 @@ def tokenize_request(model: str, doc: dict[str, Any]) -> InferenceRequest:
         lax_bool(doc, key)
     if doc.get("return_token_strs"):
         raise BadRequest("return_token_strs is not supported by this server.", "return_token_strs")
-    inputs = [_flag(llm.TOKENIZE, True)]
+    inputs = [bool_tensor(llm.TOKENIZE, True)]
     if doc.get("messages") is not None:
         if doc.get("prompt") is not None:
             raise BadRequest("send prompt or messages, not both.", "messages")
         payload, _ = chat_payload(doc, check_messages(doc["messages"]))
-        inputs += [_text(llm.TEXT_INPUT, ""), _text(llm.CHAT_MESSAGES, json.dumps(payload))]
+        inputs += [bytes_tensor(llm.TEXT_INPUT, ""), bytes_tensor(llm.CHAT_MESSAGES, json.dumps(payload))]
     else:
         prompt = doc.get("prompt")
         if not isinstance(prompt, str):
             raise BadRequest("prompt must be a string (or send messages).", "prompt")
         if doc.get("add_special_tokens") is False:
             raise BadRequest("add_special_tokens false is not supported by this server.", "add_special_tokens")
-        inputs.append(_text(llm.TEXT_INPUT, prompt))
+        inputs.append(bytes_tensor(llm.TEXT_INPUT, prompt))
     return InferenceRequest(model, "", inputs, [RequestedOutput(llm.PROMPT_IDS), RequestedOutput(llm.NUM_INPUT_TOKENS)],
                             id=uuid.uuid4().hex)
 
@@ -70,17 +62,6 @@ def detokenize_request(model: str, doc: dict[str, Any]) -> InferenceRequest:
         raise BadRequest("tokens must be a list of token ids.", "tokens")
     if any(not 0 <= t < 2**63 for t in tokens):
         raise BadRequest("a token id is out of range.", "tokens")
-    inputs = [_flag(llm.DETOKENIZE, True), _text(llm.TEXT_INPUT, ""),
+    inputs = [bool_tensor(llm.DETOKENIZE, True), bytes_tensor(llm.TEXT_INPUT, ""),
               Tensor(llm.INPUT_IDS, "INT64", [len(tokens)], np.array(tokens, dtype=np.int64))]
     return InferenceRequest(model, "", inputs, [RequestedOutput(llm.TEXT_OUTPUT)], id=uuid.uuid4().hex)
-
-
-async def answer(plane: DataPlane, request: InferenceRequest) -> dict[str, np.ndarray]:
-    """The one response's tensors, by name (PierError when the model refused)."""
-    stream = plane.responses(request)
-    try:
-        async for item in stream:
-            return {t.name: t.data for t in item.outputs}
-    finally:
-        await stream.aclose()
-    raise BadRequest("the model sent no response", status=500)
