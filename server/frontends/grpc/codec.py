@@ -10,7 +10,7 @@ import numpy as np
 
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.datatypes import RawInputs, check_dims, element_count, is_datatype, numpy_dtype, to_raw
+from pier.datatypes import RawInputs, check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
 from pier.protocol import grpc_service_pb2 as pb
 from pier.shared_memory import (
     SystemSharedMemory,
@@ -119,7 +119,8 @@ def decode_request(req: pb.ModelInferRequest, shm: SystemSharedMemory | None = N
         if raw:
             if t.HasField("contents"):
                 raise _contents_conflict(name, model)
-            data = buffers.decode(raw[i], datatype, shape, name)
+            data = buffers.decode(raw[i], datatype, shape, name) if datatype == "BYTES" else \
+                from_raw(raw[i], datatype, shape, name, model, req.id)
         else:
             data = _from_contents(t, datatype, shape, model)
         inputs.append(Tensor(name, datatype, shape, data, params))
