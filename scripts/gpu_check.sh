@@ -7,6 +7,9 @@
 # and under swap preemption).
 # Then the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
 # dynamic batching vs the module called directly on the GPU; its files go to $OUT when set.
+# And the GPU image (docker/Dockerfile.gpu, on its default CUDA base or GPU_IMAGE_BASE): built, then
+# asked inside for CUDA (torch) and ONNX Runtime's CUDA provider; a row says SKIPPED where Docker or
+# the base image cannot be had (the borrowed machines have no Docker and reach no registry).
 # Needs: python3 with Pier's dependencies, onnxruntime-gpu, tensorrt and a CUDA build of torch
 # (pier[gpu]); checks skip, with the reason, when a piece is missing, and the table says which.
 #   bash scripts/gpu_check.sh [PYTHON]
@@ -62,6 +65,26 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     fi
 else
     echo "SKIPPED bench/text_embedding_gpu.py: torch sees no CUDA device" >> "$LOG"
+fi
+# The GPU image: where Docker runs and the CUDA base image is here or can be pulled.
+GPU_BASE=${GPU_IMAGE_BASE:-$(sed -n 's/^ARG BASE_IMAGE=//p' docker/Dockerfile.gpu)}
+DOCKER_BIN=$(command -v docker || true)
+SECRET=()
+[ -s /etc/ssl/certs/ca-certificates.crt ] && SECRET=(--secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt)
+if [ -z "$DOCKER_BIN" ] || ! "$DOCKER_BIN" info >/dev/null 2>&1; then
+    echo "SKIPPED docker/Dockerfile.gpu build: no Docker daemon on this machine" >> "$LOG"
+elif ! "$DOCKER_BIN" image inspect "$GPU_BASE" >/dev/null 2>&1 \
+        && ! timeout 900 "$DOCKER_BIN" pull -q "$GPU_BASE" >> "$LOG" 2>&1; then
+    echo "SKIPPED docker/Dockerfile.gpu build: its base image $GPU_BASE cannot be pulled" >> "$LOG"
+elif ! DOCKER_BUILDKIT=1 timeout 3600 "$DOCKER_BIN" build -q -f docker/Dockerfile.gpu -t pier:gpu-check \
+        --build-arg "BASE_IMAGE=$GPU_BASE" "${SECRET[@]}" . >> "$LOG" 2>&1; then
+    echo "FAILED docker/Dockerfile.gpu build on $GPU_BASE" >> "$LOG"
+elif timeout 300 "$DOCKER_BIN" run --rm --gpus all --entrypoint python pier:gpu-check -c \
+        "import onnxruntime as o, torch; assert torch.cuda.is_available(); assert 'CUDAExecutionProvider' in o.get_available_providers(), o.get_available_providers()" \
+        >> "$LOG" 2>&1; then
+    echo "PASSED docker/Dockerfile.gpu on $GPU_BASE: in the image torch sees CUDA, onnxruntime has CUDAExecutionProvider" >> "$LOG"
+else
+    echo "FAILED docker/Dockerfile.gpu on $GPU_BASE: built, but in it torch or onnxruntime sees no CUDA" >> "$LOG"
 fi
 echo
 echo "| result | check |"

@@ -1,20 +1,27 @@
 """The Kubernetes side (deploy/): the Helm chart lints strictly and renders, with each set of values,
 manifests that pass strict schema validation (core kinds: kubernetes-validate; KServe, KEDA,
 Prometheus Operator and InferencePool CRs: crd-validate against the real CRDs), and a misspelt field
-fails. Then the rendered Deployment and the KServe runtime are held against a live `pier serve`
-started with their arguments: every probe answers as the probe expects on a port Pier listens on,
-and every metric name in every PromQL expression shipped is one Pier exports.
+fails. The Grafana dashboards (deploy/grafana = the chart's dashboards/) are well-formed dashboard JSON
+and ship, byte for byte, in the chart's ConfigMap. Then the rendered Deployment and the KServe runtime
+are held against a live `pier serve` started with their arguments: every probe answers as the probe
+expects on a port Pier listens on, and every metric name in every PromQL expression shipped (rules,
+triggers, adapter, dashboard panels and variables) is one Pier exports; a real Prometheus scraping it
+returns data for each of those queries.
 
 Needs helm, kubernetes-validate and crd-validate (the reference tools' k8s/install.sh makes them:
 PIER_REFERENCE_TOOLS); skips with that reason without them."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +32,8 @@ from tests.conftest import EXAMPLE_REPO, ROOT, free_port, start_pier
 
 CHART = ROOT / "deploy" / "helm" / "pier"
 KSERVE = ROOT / "deploy" / "kserve"
+DASHBOARDS = CHART / "dashboards"  # Helm reads only files inside the chart: deploy/grafana links here
+GRAFANA = ROOT / "deploy" / "grafana"
 VALUES = {
     "default": [],
     "gpu": ["--set", "gpus=1", "--set", "image.repository=pier-gpu"],
@@ -32,7 +41,13 @@ VALUES = {
     "keda": ["--set", "autoscaling.keda.enabled=true"],
     "hpa": ["--set", "autoscaling.hpa.enabled=true", "--set", "guards.apiKeysSecret=pier-keys",
             "--set", "guards.rateLimitModel={20:40}"],
+    "grafana": ["--set", "grafana.dashboards.enabled=true",
+                "--set", "grafana.dashboards.annotations.grafana_folder=Pier"],
 }
+# The live server: `simple` rate-limited (so that pier_rate_limited_requests_total exists) and Triton's
+# latency summaries on (the serving dashboard's p50 / p99 panel), both through the chart's values.
+LIVE_VALUES = ["--set-json", 'guards.rateLimitModel=["simple=1:4"]',
+               "--set-json", 'args=["--metrics-config=summary_latencies=true"]']
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +58,9 @@ def tools(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         return found
     install = Path(os.environ.get("PIER_REFERENCE_TOOLS", "/nonexistent")) / "k8s" / "install.sh"
     if not install.is_file():
+        if Path(found["helm"]).is_file() and Path(found["kubernetes-validate"]).is_file():
+            # scripts/install_deploy_tools.sh (CI) without the reference CRDs: all but crd-validate
+            return {**found, "crd-validate": ""}
         pytest.skip("helm / kubernetes-validate / crd-validate are not installed and PIER_REFERENCE_TOOLS has no "
                     "k8s/install.sh to make them")
     target = tmp_path_factory.mktemp("k8s-tools")
@@ -70,18 +88,22 @@ def test_chart_lints_and_every_rendering_validates(tools, tmp_path: Path) -> Non
         path.write_text(_render(tools, *values))
         core = _run([tools["kubernetes-validate"], "--strict", "-k", "1.35.0", str(path)])
         assert core.returncode == 0 and "ERROR" not in core.stdout + core.stderr, (name, core.stdout, core.stderr)
-        crs = _run([tools["crd-validate"], str(path)])
-        assert crs.returncode == 0, (name, crs.stdout, crs.stderr)
-    crs = _run([tools["crd-validate"], *map(str, sorted(KSERVE.glob("*.yaml")))])
-    assert crs.returncode == 0 and crs.stdout.count("ok ") == len(list(KSERVE.glob("*.yaml"))), crs.stdout
-    # a misspelt field fails: in a values override, and in a custom resource
+        if tools["crd-validate"]:
+            crs = _run([tools["crd-validate"], str(path)])
+            assert crs.returncode == 0, (name, crs.stdout, crs.stderr)
+    # a misspelt field fails: in a values override, and in a core kind
     assert _run([tools["helm"], "template", "t", str(CHART), "--set", "image.tagg=x"]).returncode != 0
-    bad = tmp_path / "bad.yaml"
-    bad.write_text((KSERVE / "inferenceservice-v2.yaml").read_text().replace("storageUri", "storageURI"))
-    assert _run([tools["crd-validate"], str(bad)]).returncode != 0
     deploy = tmp_path / "bad-deploy.yaml"
     deploy.write_text(_render(tools).replace("readinessProbe", "readynessProbe"))
     assert _run([tools["kubernetes-validate"], "--strict", "-k", "1.35.0", str(deploy)]).returncode != 0
+    if not tools["crd-validate"]:
+        pytest.skip("crd-validate needs the reference CRDs (PIER_REFERENCE_TOOLS or ../shared/tools): the chart "
+                    "linted and its core kinds validated; custom resources not validated")
+    crs = _run([tools["crd-validate"], *map(str, sorted(KSERVE.glob("*.yaml")))])
+    assert crs.returncode == 0 and crs.stdout.count("ok ") == len(list(KSERVE.glob("*.yaml"))), crs.stdout
+    bad = tmp_path / "bad.yaml"  # and in a custom resource
+    bad.write_text((KSERVE / "inferenceservice-v2.yaml").read_text().replace("storageUri", "storageURI"))
+    assert _run([tools["crd-validate"], str(bad)]).returncode != 0
 
 
 def _docs(text: str) -> list[dict]:
@@ -104,7 +126,144 @@ def _promql(tools) -> list[str]:
     return exprs
 
 
-_FUNCTIONS = {"sum", "rate", "max", "min", "clamp_min", "by", "avg", "count", "irate", "increase"}
+_KEYWORDS = {"and", "or", "unless", "bool", "on", "ignoring", "group_left", "group_right", "by", "without", "offset",
+             "inf", "nan"}
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions (followed by
+    `(`), keywords, label names (inside `{}` or `by (...)`), strings, durations or numbers."""
+    bare = re.sub(r"<<[^>]*>>", "", expr)  # prometheus-adapter's templates
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', bare)  # strings (label values, Grafana variables in them)
+    bare = re.sub(r"\{[^}]*\}", "{}", bare)  # label matchers
+    bare = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", bare)
+    bare = re.sub(r"\[[^\]]*\]", "", bare)  # range / subquery durations
+    names = re.findall(r"(?<![\w:.$])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()", bare)
+    return set(names) - _KEYWORDS
+
+
+def _dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def _panels(board: dict) -> list[dict]:
+    return [q for p in board["panels"] for q in (p, *p.get("panels", []))]
+
+
+def _variable_query(var: dict) -> str:
+    q = var["query"]
+    return q["query"] if isinstance(q, dict) else q
+
+
+def _label_values(query: str) -> tuple[str, str]:
+    """label_values(SELECTOR, LABEL) -> (SELECTOR, LABEL): a Grafana query variable."""
+    m = re.fullmatch(r"\s*label_values\((.+),\s*([a-zA-Z_]\w*)\s*\)\s*", query)
+    assert m, query
+    return m[1], m[2]
+
+
+def _substitute(expr: str, values: dict[str, str]) -> str:
+    """Grafana's variables as Grafana would expand them: $__rate_interval and $__interval a minute,
+    template variables ($x, ${x}, [[x]]) their values (a regex alternation for multi-value ones)."""
+    expr = re.sub(r"\$__(rate_)?interval\b", "1m", expr)
+    for name, value in values.items():
+        expr = re.sub(rf"\$\{{{name}\}}|\${name}\b|\[\[{name}\]\]", value.replace("\\", r"\\"), expr)
+    assert "$" not in expr, expr
+    return expr
+
+
+def _dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard, panel, expr) for every panel target and (dashboard, "$var", series selector) for
+    every query variable."""
+    out = []
+    for name, board in _dashboards().items():
+        out += [(name, f"${v['name']}", _label_values(_variable_query(v))[0]) for v in board["templating"]["list"]
+                if v["type"] == "query"]
+        out += [(name, p["title"], t["expr"]) for p in _panels(board) for t in p.get("targets", [])]
+    return out
+
+
+def test_dashboards_are_grafana_json_and_ship_in_the_chart(tools, tmp_path: Path) -> None:
+    """Each dashboard: a uid, a title, schemaVersion ~39, a Prometheus datasource variable that every
+    panel and target uses, query variables from label_values, timeseries / stat / gauge panels with
+    unique ids on a grid without overlaps, every selector scoped to $job; deploy/grafana holds the
+    same files; the chart's ConfigMap (off by default) carries them unchanged for Grafana's sidecar."""
+    boards = _dashboards()
+    assert set(boards) == {"pier-serving.json", "pier-llm.json"}
+    assert sorted(p.name for p in GRAFANA.glob("*.json")) == sorted(boards)
+    for p in GRAFANA.glob("*.json"):
+        assert p.read_bytes() == (DASHBOARDS / p.name).read_bytes(), p
+    assert len({b["uid"] for b in boards.values()}) == len({b["title"] for b in boards.values()}) == len(boards)
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    kv_alert = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]["kvCacheUsageAlert"]
+    for name, board in boards.items():
+        assert re.fullmatch(r"[a-z0-9-]{1,40}", board["uid"]) and board["title"], name
+        assert 36 <= board["schemaVersion"] <= 41 and board["id"] is None, name
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+        assert variables["model"]["type"] == "query"
+        for v in variables.values():
+            if v["type"] == "query":
+                assert v["datasource"] == ds and v["definition"] == _variable_query(v), (name, v["name"])
+                _label_values(_variable_query(v))
+        ids: set[int] = set()
+        cells: set[tuple[int, int]] = set()
+        for panel in _panels(board):
+            assert panel["id"] not in ids, (name, panel["id"])
+            ids.add(panel["id"])
+            g = panel["gridPos"]
+            assert g["x"] >= 0 and g["w"] > 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, (name, panel["title"])
+            mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+            assert not mine & cells, (name, panel["title"], "overlaps")
+            cells |= mine
+            if panel["type"] == "row":
+                continue
+            assert panel["type"] in {"timeseries", "stat", "gauge"}, (name, panel["title"])
+            assert panel["datasource"] == ds and panel["targets"] and panel["title"], (name, panel["title"])
+            assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), (name, panel["title"])
+            for t in panel["targets"]:
+                assert t["datasource"] == ds and t["expr"], (name, panel["title"])
+                for metric in _metric_names(t["expr"]):  # every selector scoped to Pier's scrape jobs
+                    for m in re.finditer(rf"(?<![\w:]){re.escape(metric)}(?![\w:])(\{{[^}}]*\}})?", t["expr"]):
+                        assert m[1] and 'job=~"$job"' in m[1], (name, panel["title"], t["expr"])
+            if any("vllm:kv_cache_usage_perc" in t["expr"] for t in panel["targets"]):  # the alert's threshold
+                steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+                assert kv_alert in [s["value"] for s in steps], (name, panel["title"], steps)
+    # the chart: no ConfigMap by default; with grafana.dashboards.enabled, one that holds the files as they are
+    assert not [d for d in _docs(_render(tools)) if d["kind"] == "ConfigMap"]
+    (cm,) = [d for d in _docs(_render(tools, *VALUES["grafana"])) if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Pier"}
+    assert cm["data"] == {p.name: p.read_text() for p in sorted(DASHBOARDS.glob("*.json"))}
+    package = _run([tools["helm"], "package", str(CHART), "-d", str(tmp_path)])
+    assert package.returncode == 0, package.stdout + package.stderr
+    (tgz,) = tmp_path.glob("pier-*.tgz")
+    with tarfile.open(tgz) as tar:
+        assert {f"pier/dashboards/{n}" for n in boards} <= set(tar.getnames())
+
+
+_BODY = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+                    for n in ("INPUT0", "INPUT1")]}
+
+
+def _traffic(server) -> None:
+    """A few requests to both models: three to `simple` (waiting out its rate limit), one to the LLM."""
+    for _ in range(3):
+        for _attempt in range(10):
+            r = requests.post(f"{server.base()}/v2/models/simple/infer", json=_BODY, timeout=30)
+            if r.status_code != 429:
+                break
+            time.sleep(float(r.headers.get("Retry-After", "1")))
+        assert r.status_code == 200, r.text
+    r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llm", "prompt": "x", "max_tokens": 2},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _exported(server) -> set[str]:
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    return exported | {n.rsplit("_", 1)[0] for n in exported if n.endswith(("_total", "_bucket", "_count", "_sum"))}
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +280,17 @@ def live(tools, tmp_path_factory: pytest.TempPathFactory):
         'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n')
     http, grpc, metrics = free_port(), free_port(), free_port()
     (deployment,) = [d for d in _docs(_render(tools, "--set", f"ports.http={http}", "--set", f"ports.grpc={grpc}",
-                                              "--set", f"ports.metrics={metrics}")) if d["kind"] == "Deployment"]
+                                              "--set", f"ports.metrics={metrics}", *LIVE_VALUES))
+                     if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = [a for a in container["args"] if not a.startswith(("--model-repository", "--http-port", "--grpc-port",
                                                               "--metrics-port"))]
     server = start_pier([repo], *args, log_path=tmp / "pier.log", timeout=120, ports=(http, grpc, metrics))
-    body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
-                       for n in ("INPUT0", "INPUT1")]}
-    for _ in range(3):
-        assert requests.post(f"{server.base()}/v2/models/simple/infer", json=body, timeout=30).status_code == 200
-    r = requests.post(f"{server.base()}/v1/completions", json={"model": "tiny_llm", "prompt": "x", "max_tokens": 2},
-                      timeout=60)
-    assert r.status_code == 200, r.text
+    _traffic(server)
+    # past the rate limit (4 at once, then 1/s): refused requests
+    codes = [requests.post(f"{server.base()}/v2/models/simple/infer", json=_BODY, timeout=30).status_code
+             for _ in range(6)]
+    assert 429 in codes and set(codes) <= {200, 429}, codes
     yield server, container, {"http": http, "grpc": grpc, "metrics": metrics}
     assert server.stop() == 0
 
@@ -147,13 +305,9 @@ def test_manifests_hold_against_a_live_server(tools, live) -> None:
         r = requests.get(f"http://127.0.0.1:{server.http_port}{get['path']}", timeout=10)
         assert r.status_code == 200, (probe, get, r.status_code)
     # every metric name in every shipped query is exported
-    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
-    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    exported |= {n.rsplit("_", 1)[0] for n in exported if n.endswith(("_total", "_bucket", "_count", "_sum"))}
+    exported = _exported(server)
     for expr in _promql(tools):
-        bare = re.sub(r"\b(by|without)\s*\([^)]*\)", "", re.sub(r"<<[^>]*>>", "", expr))
-        bare = re.sub(r"\{[^}]*\}", "{}", bare)  # label matchers: not metric names
-        names = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{|\[|\))", bare)) - _FUNCTIONS
+        names = _metric_names(expr)
         assert names and names <= exported, (expr, names - exported)
     # the KServe runtime's arguments are ones Pier takes (--model-store, its ports)
     runtime = yaml.safe_load((KSERVE / "clusterservingruntime.yaml").read_text())
@@ -188,12 +342,23 @@ tests:
 """
 
 
+def test_dashboards_query_only_exported_names(live) -> None:
+    """Every metric name in every dashboard panel's query and variable query, the KServe and the LLM
+    dashboard alike, is one the live Pier exports after a few requests."""
+    server, _, _ = live
+    exported = _exported(server)
+    queries = _dashboard_queries()
+    assert {d for d, _, _ in queries} == {"pier-serving.json", "pier-llm.json"}
+    for board, panel, expr in queries:
+        names = _metric_names(_substitute(expr, {"datasource": "prometheus", "job": ".*", "model": ".*"}))
+        assert names and names <= exported, (board, panel, expr, names - exported)
+
+
 def test_queries_on_a_real_prometheus(tools, live, tmp_path: Path) -> None:
     """promtool checks and unit-tests the rules; a real Prometheus scrapes the live server (labelled
     as the ServiceMonitor would label it) and every shipped query returns data, each KEDA query
-    exactly one series."""
-    import time
-
+    exactly one series; after fresh traffic, every dashboard variable has values and every dashboard
+    panel query returns a series with a number (not NaN: the rates it divides are not zero)."""
     prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if not prometheus or not promtool:
         pytest.skip("prometheus / promtool not installed (apt-get install prometheus)")
@@ -237,6 +402,28 @@ def test_queries_on_a_real_prometheus(tools, live, tmp_path: Path) -> None:
             assert result, expr
             if expr in keda:
                 assert len(result) == 1, (expr, result)
+        # the dashboards: traffic that Prometheus sees (it has scraped before and after it)
+        _traffic(server)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (query('increase(nv_inference_count{model="simple"}[1m]) > 0')
+                                                   and query("increase(vllm:generation_tokens_total[1m]) > 0")):
+            time.sleep(1)
+        for name, board in _dashboards().items():
+            values = {"datasource": "prometheus"}
+            for var in board["templating"]["list"]:  # in order: a variable's query may use the ones before
+                if var["type"] != "query":
+                    continue
+                selector, label = _label_values(_substitute(_variable_query(var), values))
+                r = requests.get(f"http://127.0.0.1:{port}/api/v1/label/{label}/values",
+                                 params={"match[]": selector}, timeout=10)
+                assert r.ok and r.json()["data"], (name, var["name"], selector, r.text)
+                values[var["name"]] = "|".join(r.json()["data"])
+            for panel in _panels(board):
+                for target in panel.get("targets", []):
+                    expr = _substitute(target["expr"], values)
+                    result = query(expr)
+                    assert any(math.isfinite(float(s["value"][1])) for s in result), (
+                        name, panel["title"], expr, result)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
