@@ -1,13 +1,21 @@
-"""AsyncLLMEngine: the step loop on its own thread, results streamed to asyncio callers.
+"""Engines as asyncio callers see them: `generate()` streams a request's outputs, `abort()` cancels.
 
-The engine thread owns the LLMEngine. Callers on the event loop send commands (add, abort) through
-a thread-safe queue; each step's outputs go back with one `call_soon_threadsafe` per event loop.
+`EngineClient` is what the LLM backend talks to; it owns the streams and hands commands (add,
+abort) to an `LLMEngine` that runs elsewhere. Two ways to run it:
+
+- `AsyncLLMEngine` (here): the step loop on a thread of this process. Commands go through a
+  thread-safe queue; each step's outputs go back with one `call_soon_threadsafe` per event loop.
+- `EngineCoreClient` (core_client.py): the engine in its own process (engine_core.py), commands
+  and per-step outputs over ZeroMQ, so that the engine's Python work does not share this
+  process's interpreter lock with HTTP/gRPC handling.
+
 Closing or cancelling the iterator `generate()` returns aborts the request (its blocks are freed
 before the next step), which is how a client disconnect or a timeout cancels work.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import itertools
 import queue
@@ -15,9 +23,15 @@ import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .engine import EngineStats, LLMEngine, RequestOutput
+from .engine import EngineStats, LLMEngine, RequestOutput, check_text_length, encode_prompt
 from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run requests: its process died (the message says how), or it stopped."""
 
 
 @dataclass
@@ -27,74 +41,82 @@ class _Stream:
     remaining: int  # sequences (n) not yet finished
 
 
-class AsyncLLMEngine:
-    """Thread-driven wrapper around LLMEngine with an async streaming API."""
+@dataclass(frozen=True)
+class EngineFacts:
+    """What callers read of an engine without asking it: fixed once it has loaded."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and stats snapshots
-        self._stats = engine.stats()
-        self._stopped = False
-        self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
-        self._thread.start()
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict[str, Any]
+    max_tokens_cap: int | None
+    cache_config_info: dict[str, str]
 
     @classmethod
-    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str], **overrides: object
-                        ) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_parameters(model_dir, parameters, **overrides))
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.max_model_len, engine.model_config.vocab_size, dict(engine.generation_defaults),
+                   engine.config.max_tokens_cap, engine.cache_config_info())
 
-    @property
-    def tokenizer(self):  # noqa: ANN201 - tokenizer.Tokenizer
-        return self.engine.tokenizer
+
+class EngineClient(abc.ABC):
+    """Streams on asyncio event loops in front of an engine that steps elsewhere (thread or
+    process). Subclasses deliver commands (`_send`) and feed back outputs (`_dispatch`) and
+    failures (`_fail`, `_fail_all`)."""
+
+    def __init__(self, tokenizer: Tokenizer, facts: EngineFacts, stats: EngineStats) -> None:
+        self.tokenizer = tokenizer
+        self.facts = facts
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and the stats snapshot
+        self._stats = stats
+        self._stopped = False
+        self._ids = itertools.count()
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.facts.max_model_len
 
     def cache_config_info(self) -> dict[str, str]:
-        """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
-        inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""
-        e, cfg = self.engine, self.engine.config
-        return {"block_size": str(cfg.block_size), "cache_dtype": cfg.dtype,
-                "enable_prefix_caching": str(cfg.enable_prefix_caching),
-                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-                "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
-                "kv_cache_size_tokens": str(e.kv.pool.num_blocks * cfg.block_size),
-                "num_cpu_blocks": str(e.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(e.kv.pool.num_blocks)}
+        return dict(self.facts.cache_config_info)
 
     def check_text_length(self, text: str) -> None:
-        """See LLMEngine.check_text_length (safe from any thread: reads fixed settings only)."""
-        self.engine.check_text_length(text)
+        """See engine.check_text_length (fixed settings only: safe from any thread)."""
+        check_text_length(text, self.facts.max_model_len)
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.facts.max_model_len, self.facts.vocab_size)
+
+    def unavailable_reason(self) -> str | None:
+        """Why no request can run now (None: it can). Raised by generate as EngineDeadError."""
+        return "the engine is stopped" if self._stopped else None
 
     async def generate(
         self, prompt: str | Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (deltas; with n > 1 interleaved, told apart by `index`).
 
-        Raises ValueError (bad prompt, duplicate id) before the first output. The iterator ends after
-        the last sequence's finished output. Closing it early (or cancelling the consuming task)
-        aborts the request.
+        Raises ValueError (bad prompt, duplicate id) before the first output, EngineDeadError
+        when the engine cannot run it. The iterator ends after the last sequence's finished
+        output. Closing it early (or cancelling the consuming task) aborts the request.
         """
-        if self._stopped:
-            raise RuntimeError("the engine is stopped")
+        if (why := self.unavailable_reason()) is not None:
+            raise EngineDeadError(why)
         sampling = sampling or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        ids = self.engine.encode_prompt(prompt)  # validates here, on the caller's side
+        ids = self.encode_prompt(prompt)  # validates here, on the caller's side
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), sampling.n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._send(("add", request_id, ids, sampling))
         finished = False
         try:
+            if (why := self.unavailable_reason()) is not None:  # it died while this one registered
+                raise EngineDeadError(why)
+            self._send(("add", request_id, ids, sampling))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has forgotten it: nothing to abort
                     raise item
                 if item.finished:
                     stream.remaining -= 1
@@ -106,8 +128,11 @@ class AsyncLLMEngine:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished:
-                self._send(("abort", request_id))
+            if not finished and self.unavailable_reason() is None:
+                try:
+                    self._send(("abort", request_id))
+                except EngineDeadError:  # it died meanwhile: nothing left to abort
+                    pass
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request; its iterator receives finished outputs with finish_reason "abort"."""
@@ -118,8 +143,70 @@ class AsyncLLMEngine:
         with self._lock:
             return self._stats
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        """Stop the engine thread; requests still running get a RuntimeError."""
+        """Stop the engine; requests still running get an EngineDeadError."""
+
+    @abc.abstractmethod
+    def _send(self, command: tuple) -> None:
+        """Deliver ("add", id, prompt ids, sampling) or ("abort", id) to the engine."""
+
+    # -- fed by the engine side (any thread) ------------------------------------------------------
+
+    def _set_stats(self, stats: EngineStats) -> None:
+        with self._lock:
+            self._stats = stats
+
+    def _dispatch(self, outs: Sequence[RequestOutput]) -> None:
+        if not outs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed
+                pass
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:
+                pass
+
+    def _fail_all(self, error: BaseException) -> list[str]:
+        """Fail every request in flight with `error`; returns their ids."""
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._fail(rid, error)
+        return rids
+
+
+class AsyncLLMEngine(EngineClient):
+    """The engine's step loop on a thread of this process."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine.tokenizer, EngineFacts.of(engine), engine.stats())
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str], **overrides: object
+                        ) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_parameters(model_dir, parameters, **overrides))
+
+    def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
@@ -151,56 +238,21 @@ class AsyncLLMEngine:
             try:
                 outs = self._drain_commands()
                 if not self.engine.has_unfinished():
-                    self._snapshot()
+                    self._set_stats(self.engine.stats())
                     self._dispatch(outs)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outs.extend(self.engine.step())
-                self._snapshot()
+                self._set_stats(self.engine.stats())
                 self._dispatch(outs)
             except Exception as e:  # a step failed: fail everything in flight, keep serving
-                with self._lock:
-                    rids = list(self._streams)
-                for rid in rids:
+                for rid in self._fail_all(RuntimeError(f"LLM engine step failed: {e!r}")):
                     try:
                         self.engine.abort(rid)
                     except Exception:  # noqa: BLE001 - keep failing the rest
                         pass
-                    self._fail(rid, RuntimeError(f"LLM engine step failed: {e!r}"))
-        with self._lock:
-            rids = list(self._streams)
-        for rid in rids:
-            self._fail(rid, RuntimeError("the engine was shut down"))
-
-    def _snapshot(self) -> None:
-        stats = self.engine.stats()
-        with self._lock:
-            self._stats = stats
-
-    def _dispatch(self, outs: list[RequestOutput]) -> None:
-        if not outs:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        with self._lock:
-            for out in outs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that loop is closed
-                pass
-
-    def _fail(self, request_id: str, error: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-            except RuntimeError:
-                pass
+        self._fail_all(EngineDeadError("the engine was shut down"))
 
 
 def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:

@@ -124,7 +124,9 @@ class LLMInstance(ModelInstance):
     unbatched = True
 
     def __init__(self, ctx: ModelContext, where: InstanceContext) -> None:
-        from pier.backends.llm.async_engine import AsyncLLMEngine
+        from pier.backends.llm.async_engine import AsyncLLMEngine, EngineClient, EngineDeadError
+        from pier.backends.llm.config import EngineConfig
+        from pier.backends.llm.core_client import EngineCoreClient
         from pier.backends.llm.sampling_params import SamplingParams
 
         self._sampling_cls = SamplingParams
@@ -139,9 +141,18 @@ class LLMInstance(ModelInstance):
         if self.tool_call_parser is not None and self.tool_call_parser not in llm.TOOL_CALL_PARSERS:
             raise unavailable(f"tool_call_parser {self.tool_call_parser!r} is not one of "
                               f"{', '.join(llm.TOOL_CALL_PARSERS)}")
+        self._dead_error = EngineDeadError
         try:
-            self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)
-        except (ValueError, OSError, KeyError) as exc:
+            in_process = EngineConfig.from_parameters(params, **overrides).engine_core == "thread"
+            self.engine: EngineClient
+            if in_process:
+                self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)
+            else:
+                def on_health(reason: str | None) -> None:
+                    ctx.report_health(where.name, reason)
+
+                self.engine = EngineCoreClient.from_parameters(folder, params, on_health, **overrides)
+        except (ValueError, OSError, KeyError, RuntimeError) as exc:
             raise unavailable(f"cannot load the LLM in {folder}: {exc}") from None
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -189,8 +200,8 @@ class LLMInstance(ModelInstance):
         # "parameters": {"temperature": 0, ...}); the sampling_parameters input wins.
         known = {f.name for f in dataclasses.fields(self._sampling_cls)} - {"extra"}
         sampling_doc = {**{k: v for k, v in request.parameters.items() if k in known}, **sampling_doc}
-        engine = self.engine.engine
-        defaults = engine.generation_defaults  # generation_config.json's, for what the request leaves out (vLLM)
+        facts = self.engine.facts
+        defaults = facts.generation_defaults  # generation_config.json's, for what the request leaves out (vLLM)
         sampling_doc = {**defaults, **{k: v for k, v in sampling_doc.items() if v is not None or k not in defaults}}
         if flags[llm.EMBED]:  # one forward pass over the prompt, nothing generated
             sampling_doc = {**sampling_doc, "embed": True, "max_tokens": 1}
@@ -198,7 +209,7 @@ class LLMInstance(ModelInstance):
             sampling = self._sampling_cls.from_json(sampling_doc)
         except (ValueError, TypeError) as exc:
             raise invalid_arg(f"invalid sampling_parameters: {exc}") from None
-        cap = engine.config.max_tokens_cap
+        cap = facts.max_tokens_cap
         if cap is not None and not sampling.embed:
             if sampling.max_tokens is None:
                 sampling = dataclasses.replace(sampling, max_tokens=cap)
@@ -241,7 +252,7 @@ class LLMInstance(ModelInstance):
             if not isinstance(prompt, list):
                 raise invalid_arg(f"detokenize needs the token ids in '{llm.INPUT_IDS}'")
             vocab = self.tokenizer.vocab_size
-            bad = [t for t in prompt if not 0 <= t < max(vocab, self.engine.engine.model_config.vocab_size)]
+            bad = [t for t in prompt if not 0 <= t < max(vocab, self.engine.facts.vocab_size)]
             if bad:
                 raise invalid_arg(f"token ids outside the vocabulary (size {vocab}): {bad[:10]}")
             return [_bytes(llm.TEXT_OUTPUT, self.tokenizer.decode(prompt, skip_special_tokens=False).encode())]
@@ -325,6 +336,8 @@ class LLMInstance(ModelInstance):
             self.metrics.requests_aborted += 1
         except ValueError as exc:  # the engine refused the prompt (too long, bad ids)
             sink(invalid_arg(str(exc)), True)
+        except self._dead_error as exc:  # its process died (or it stopped): the message says how
+            sink(unavailable(str(exc)), True)
         except Exception as exc:
             sink(internal(f"LLM engine error: {type(exc).__name__}: {exc}"), True)
         finally:

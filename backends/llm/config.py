@@ -48,6 +48,10 @@ class EngineConfig:
     # CPU in float32 (built on first use, see kernels.py), the torch path otherwise; "torch": always torch.
     attention: str = "auto"
     seed: int = 0
+    # "process": the engine steps in a process of its own (engine_core.py; the server keeps HTTP,
+    # gRPC, tokenization and streaming), so the two do not share one interpreter lock, and a crash
+    # of the engine takes down only this model; "thread": on a thread of the server's process.
+    engine_core: str = "process"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -60,6 +64,8 @@ class EngineConfig:
             raise ValueError("max_tokens_cap must be at least 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.engine_core not in ("process", "thread"):
+            raise ValueError(f"engine_core must be 'process' or 'thread', got {self.engine_core!r}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"attention must be 'auto' or 'torch', got {self.attention!r}")
         if self.block_size < 1:
@@ -102,7 +108,8 @@ class EngineConfig:
 def _parse(name: str, text: str) -> object:
     if name in ("model_path",):
         return Path(text) if text else None
-    if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config"):
+    if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config",
+                "engine_core"):
         return text.lower()
     if name == "enable_prefix_caching":
         low = text.lower()

@@ -118,6 +118,40 @@ def _device(cfg: EngineConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def check_text_length(text: str, max_model_len: int) -> None:
+    """Refuse, before tokenizing, text far too long for the context: the tokenizer holds the GIL
+    (a 20 MB prompt stalled every request for 30 s). The bound allows 64 characters a token."""
+    if len(text) > max_model_len * CHARS_PER_TOKEN_BOUND:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"is {len(text)} characters long, more than that many tokens can hold "
+            f"({CHARS_PER_TOKEN_BOUND} characters a token)."
+        )
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_model_len: int, vocab: int) -> list[int]:
+    """Token ids for a prompt (text is tokenized with special tokens). Raises ValueError. Reads
+    fixed settings only: callers tokenize on their own thread (or process), not the engine's."""
+    if isinstance(prompt, str):
+        check_text_length(prompt, max_model_len)
+    elif len(prompt) >= max_model_len:  # before converting a huge list
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains at least {len(prompt)} input tokens, leaving no room for output."
+        )
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains at least {len(ids)} input tokens, leaving no room for output."
+        )
+    if any(t < 0 or t >= vocab for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    return ids
+
+
 class LLMEngine:
     """The synchronous engine. Not thread-safe: call it from one thread."""
 
@@ -176,36 +210,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def check_text_length(self, text: str) -> None:
-        """Refuse, before tokenizing, text far too long for the context: the tokenizer holds the GIL
-        (a 20 MB prompt stalled every request for 30 s). The bound allows 64 characters a token."""
-        if len(text) > self.max_model_len * CHARS_PER_TOKEN_BOUND:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"is {len(text)} characters long, more than that many tokens can hold "
-                f"({CHARS_PER_TOKEN_BOUND} characters a token)."
-            )
+        check_text_length(text, self.max_model_len)
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids for a prompt (text is tokenized with special tokens). Raises ValueError."""
-        if isinstance(prompt, str):
-            self.check_text_length(prompt)
-        elif len(prompt) >= self.max_model_len:  # before converting a huge list
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains at least {len(prompt)} input tokens, leaving no room for output."
-            )
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains at least {len(ids)} input tokens, leaving no room for output."
-            )
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.max_model_len, self.model_config.vocab_size)
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -404,6 +412,18 @@ class LLMEngine:
         )
 
     # -- introspection --------------------------------------------------------------------------
+
+    def cache_config_info(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
+        inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""
+        cfg = self.config
+        return {"block_size": str(cfg.block_size), "cache_dtype": cfg.dtype,
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+                "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
+                "kv_cache_size_tokens": str(self.kv.pool.num_blocks * cfg.block_size),
+                "num_cpu_blocks": str(self.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(self.kv.pool.num_blocks)}
+
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

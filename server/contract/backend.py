@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -77,9 +77,20 @@ class ServerServices(Protocol):
         the frontends without another thread hop."""
 
 
+def _no_health_sink(instance: str, reason: str | None) -> None:
+    """Where health reports go when nobody listens (a backend used outside the server)."""
+
+
 @dataclass(frozen=True)
 class ModelContext:
-    """What a backend knows about the model version it serves."""
+    """What a backend knows about the model version it serves.
+
+    `report_health(instance, reason)`: an instance whose process died (or that cannot serve for
+    another reason it finds out on its own) says why; `reason=None` once it serves again (e.g.
+    after it restarted its process). Callable from any thread. When every instance of the version
+    is unhealthy the version is UNAVAILABLE with that reason (the repository index shows it,
+    strict readiness fails, requests get Triton's "no available versions"); one report of None
+    brings it back to READY. A reload replaces the version whatever its instances said."""
 
     spec: ModelSpec
     version: int
@@ -87,6 +98,7 @@ class ModelContext:
     version_dir: Path  # <repository>/<model>/<version>
     config_json: str = "{}"  # the completed model configuration, as Triton's JSON
     services: ServerServices | None = None
+    report_health: Callable[[str, str | None], None] = _no_health_sink
 
     @property
     def model_path(self) -> Path:

@@ -212,12 +212,13 @@ class ModelLifecycle:
         start = time.perf_counter()
         if disk.entry is backend_registry.ENSEMBLE:
             return self._load_ensemble(key, disk.spec, disk.config, version)
+        health = _HealthBoard(self, key, version, loop)
         async with self._load_slots:
             try:
                 backend = backend_registry.get_backend(disk.entry)
                 instances = await loop.run_in_executor(
                     None, create_instances, backend, disk.spec, disk.config, version, disk.path, self._gpus,
-                    self._services)
+                    self._services, health.report)
             except PierError as exc:
                 return exc.message
             except Exception as exc:  # a backend failing to load must not take the server down
@@ -229,6 +230,7 @@ class ModelLifecycle:
                     inst.close()
                 return exc.message
         model = build_loaded_model(disk.spec, disk.config, version, instances, self._keep_recent)
+        health.model = model
         record_warmup(model.stats, warmups)
         model.load_duration_s = time.perf_counter() - start
         return model
@@ -281,6 +283,25 @@ class ModelLifecycle:
                 raise not_found(f"version {version} of model '{name}' is not READY")
             return ready[int(version)].spec
         return ready[max(ready)].spec
+
+    def health_changed(self, key: str, version: int, model: LoadedModel, sick: dict[str, str]) -> None:
+        """On the event loop: `model`'s instances in `sick` cannot serve (instance -> reason).
+        With all of them sick the version is UNAVAILABLE with their reason; once one serves again
+        it is READY. Reports about a load that no longer serves (reloaded, unloaded) are ignored."""
+        record = self._models.get(key)
+        vr = record.versions.get(version) if record is not None else None
+        if record is None or vr is None or vr.loaded is not model:
+            return
+        down = bool(sick) and len(sick) >= max(len(model.instances), 1)
+        if down and vr.state is ModelState.READY:
+            vr.state, vr.reason = ModelState.UNAVAILABLE, "; ".join(sorted(set(sick.values())))
+            log.error("'%s' version %d is UNAVAILABLE: %s", record.name, version, vr.reason)
+        elif not down and vr.state is ModelState.UNAVAILABLE:
+            vr.state, vr.reason = ModelState.READY, ""
+            log.info("'%s' version %d is READY again", record.name, version)
+        else:
+            return
+        self.publish(record)
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -365,3 +386,27 @@ def _healthy(record: ModelVersions) -> bool:
     if record.error and not record.ready():
         return False
     return not any(vr.state is ModelState.UNAVAILABLE and vr.reason != UNLOADED for vr in record.versions.values())
+
+
+class _HealthBoard:
+    """One load's instance health reports (ModelContext.report_health), from any thread, applied
+    to the life cycle on the event loop once the load is built."""
+
+    def __init__(self, lifecycle: ModelLifecycle, key: str, version: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._lifecycle, self._key, self._version, self._loop = lifecycle, key, version, loop
+        self.model: LoadedModel | None = None
+        self._sick: dict[str, str] = {}
+
+    def report(self, instance: str, reason: str | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._apply, instance, reason)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _apply(self, instance: str, reason: str | None) -> None:
+        if reason:
+            self._sick[instance] = reason
+        else:
+            self._sick.pop(instance, None)
+        if self.model is not None:
+            self._lifecycle.health_changed(self._key, self._version, self.model, dict(self._sick))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +50,14 @@ class LoadedModel:
 
 
 def create_instances(backend: Backend, spec: ModelSpec, config: mc.ModelConfig, version: int, model_dir: Path,
-                     gpu_count: int, services: ServerServices | None = None) -> list[ModelInstance]:
+                     gpu_count: int, services: ServerServices | None = None,
+                     report_health: Callable[[str, str | None], None] | None = None) -> list[ModelInstance]:
     """Blocking: one backend instance per configured instance (KIND_GPU: per listed GPU). The
     backend sees the completed config as Triton's JSON, as Triton's backend API gives it."""
     ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version),
                        config_json=json.dumps(config_to_json(config)), services=services)
+    if report_health is not None:
+        ctx = dataclasses.replace(ctx, report_health=report_health)
     instances: list[ModelInstance] = []
     try:
         for group in spec.instance_groups:

@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: streaming from the step thread, and cancellation freeing blocks."""
+"""AsyncLLMEngine and EngineCoreClient: streaming from the step thread (or the engine-core process),
+and cancellation freeing blocks."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import pytest
 
 from pier.backends.llm.async_engine import AsyncLLMEngine
 from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.core_client import EngineCoreClient
 from pier.backends.llm.engine import LLMEngine
 from pier.backends.llm.sampling_params import SamplingParams
 
 
-@pytest.fixture()
-def aengine(llama_dir):
-    eng = AsyncLLMEngine(LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20)))
+@pytest.fixture(params=["thread", "process"])
+def aengine(request, llama_dir):
+    """Both ways of running the engine behave the same to their callers."""
+    if request.param == "thread":
+        eng = AsyncLLMEngine(LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20)))
+    else:
+        eng = EngineCoreClient(llama_dir, {"kv_cache_memory_bytes": str(4 << 20)}, {})
     yield eng
     eng.shutdown()
 
 
-def _wait_idle(eng: AsyncLLMEngine) -> None:
+def _wait_idle(eng: AsyncLLMEngine | EngineCoreClient) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         s = eng.stats()
