@@ -95,6 +95,7 @@ class EngineCoreClient(EngineClient):
         self._generation = 0
         self._restarts: list[float] = []
         self._dead: str | None = None
+        self._stopped = False
         try:
             tokenizer = Tokenizer(folder)
             self._core, facts, stats = self._start()
@@ -132,7 +133,9 @@ class EngineCoreClient(EngineClient):
             poller.register(p.outputs, zmq.POLLIN)
             poller.register(p.pidfd, zmq.POLLIN)
             while True:
-                events = dict(poller.poll())
+                events = dict(poller.poll(500))
+                if self._stopped:  # shut down while (re)starting: this core goes too
+                    raise EngineDeadError("the engine was shut down")
                 if events.get(p.commands, 0) & zmq.POLLOUT:
                     p.commands.send(pickle.dumps(self._init))
                     poller.unregister(p.commands)
@@ -240,7 +243,7 @@ class EngineCoreClient(EngineClient):
         self._restarts.append(now)
         try:
             self._core, _, stats = self._start()
-        except (ValueError, RuntimeError, OSError) as e:
+        except (ValueError, RuntimeError, OSError) as e:  # EngineDeadError: shut down meanwhile
             self._dead = f"{reason}; the restart failed: {e}"
             self._on_health(self._dead)
             return

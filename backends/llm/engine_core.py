@@ -12,17 +12,18 @@ it), both ZeroMQ ipc:// addresses the server bound in a private folder:
 
 Per-step outputs are the hot path: msgspec's msgpack encodes the RequestOutput dataclasses (about
 a microsecond each); the rare commands carry SamplingParams by pickle. The process dies with the
-server (PR_SET_PDEATHSIG, and a parent check while idle), and ignores the terminal's Ctrl-C (it
+server (a watchdog thread checks its parent), and ignores the terminal's Ctrl-C (it
 runs in its own session): the server stops it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 import msgspec
@@ -31,7 +32,7 @@ import zmq
 from .engine import EngineStats, RequestOutput
 
 READY, FAILED, OUT, FAIL = b"ready", b"failed", b"out", b"fail"
-IDLE_POLL_MS = 1000  # how often an idle core checks that its server is still there
+PARENT_CHECK_S = 0.5  # how often the core checks that its server is still there
 
 _encoder = msgspec.msgpack.Encoder()
 OUT_DECODER = msgspec.msgpack.Decoder(tuple[list[RequestOutput], EngineStats])
@@ -39,13 +40,15 @@ FAIL_DECODER = msgspec.msgpack.Decoder(tuple[str, str])
 
 
 def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed when the server's thread exits
-    except OSError:  # not glibc Linux: the idle parent check still ends it
-        pass
-    if os.getppid() != parent:  # the server died before prctl took effect
+    """End this process as soon as the server is gone (it was killed, it crashed): a watchdog
+    thread, as PR_SET_PDEATHSIG would fire when the server's *thread* that started it exits."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
         os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class EngineCore:
@@ -62,10 +65,7 @@ class EngineCore:
         engine = self.engine
         while True:
             if not engine.has_unfinished():
-                if not self.commands.poll(IDLE_POLL_MS):
-                    if os.getppid() != self.parent:
-                        return
-                    continue
+                self.commands.poll()  # idle: wait for a command
             outs: list[RequestOutput] = []
             if not self._drain(outs):
                 return
