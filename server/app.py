@@ -196,6 +196,9 @@ def run(settings: Settings) -> int:
     if settings.ignored_flags:
         log.warning("accepted for tritonserver compatibility, with no effect in Pier: %s",
                     ", ".join(settings.ignored_flags))
+    if settings.backend_config_ignored:
+        log.warning("--backend-config settings accepted with no effect in Pier: %s",
+                    ", ".join(settings.backend_config_ignored))
     try:
         import uvloop
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pier.contract.backend import Backend
-from pier.contract.errors import invalid_arg, unavailable
+from pier.contract.errors import PierError, invalid_arg, unavailable
 
 
 @dataclass(frozen=True)
@@ -17,13 +17,14 @@ class BackendEntry:
     platform: str  # canonical platform string ("" when the backend has none)
     module: str  # module with a `BACKEND` class attribute
     default_model_filename: str
+    takes_settings: bool = False  # its BACKEND has configure(settings) for --backend-config
 
 
 _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("onnxruntime", "onnxruntime_onnx", "pier.backends.onnxruntime.backend", "model.onnx"),
     BackendEntry("pytorch", "pytorch_libtorch", "pier.backends.pytorch.backend", "model.pt"),
     BackendEntry("tensorrt", "tensorrt_plan", "pier.backends.tensorrt.backend", "model.plan"),
-    BackendEntry("python", "", "pier.backends.python.backend", "model.py"),
+    BackendEntry("python", "", "pier.backends.python.backend", "model.py", takes_settings=True),
     BackendEntry("llm", "", "pier.backends.llm.backend", "config.json"),  # a Hugging Face folder
 )
 # Ensembles have a platform and no backend: the server schedules their steps itself.
@@ -78,3 +79,21 @@ def get_backend(entry: BackendEntry) -> Backend:
             raise TypeError(f"{entry.module}.BACKEND is not a Backend")
         _LOADED[entry.backend] = backend
     return backend
+
+
+def configure(backend: str, settings: dict[str, str]) -> tuple[str, ...] | None:
+    """`--backend-config=<backend>,KEY=VALUE` settings, handed to the backend now (its
+    `configure(settings)` hook). None when the backend takes no settings (they have no effect);
+    else the keys it accepted without effect. Raises ValueError (naming the key) for a setting it
+    refuses."""
+    entry = _BY_NAME.get(backend)
+    if entry is None or not entry.backend or not entry.takes_settings:
+        return None
+    try:
+        loaded = get_backend(entry)
+    except PierError:
+        return None
+    hook = getattr(loaded, "configure", None)
+    if hook is None:
+        return None
+    return tuple(hook(dict(settings)))

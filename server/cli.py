@@ -132,7 +132,8 @@ GRPC_OPTIONS = {
 }
 
 # tritonserver flags that have nothing to act on in Pier (backends are built in; no pinned or CUDA
-# memory pools or rate limiter): accepted and named in a warning.
+# memory pools or rate limiter): accepted and named in a warning. --backend-config is named only when
+# one of its settings has no effect (the python backend's own settings act: _backend_config).
 IGNORED_FLAGS = (
     "backend-directory", "backend-config", "repoagent-directory", "pinned-memory-pool-byte-size",
     "cuda-memory-pool-byte-size", "cuda-virtual-address-size", "min-supported-compute-capability",
@@ -173,6 +174,32 @@ def _grpc_ssl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Grpc
             parser.error(f"{flag} {value}: no such file")
     root = Path(args.grpc_root_cert) if args.grpc_root_cert else None
     return GrpcSsl(Path(args.grpc_server_cert), Path(args.grpc_server_key), root, args.grpc_use_ssl_mutual)
+
+
+def _backend_config(values: list[str], parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """tritonserver's `--backend-config=[BACKEND,]KEY=VALUE` (repeatable). Settings of a backend that
+    takes settings (python: execution-mode, ...) are handed to it now, and an unknown key or a bad
+    value is an error naming it; the rest (other backends', and global ones without a backend)
+    have no effect here and are returned for the startup warning."""
+    from pier import backend_registry
+
+    by_backend: dict[str, dict[str, str]] = {}
+    for raw in values:
+        head, comma, rest = raw.partition(",")
+        backend, setting = (head, rest) if comma and "=" not in head else ("", raw)
+        key, eq, value = setting.partition("=")
+        if not eq or not key:
+            parser.error(f"--backend-config {raw}: expected [BACKEND,]KEY=VALUE")
+        by_backend.setdefault(backend, {})[key] = value
+    ignored: list[str] = []
+    for backend, settings in by_backend.items():
+        try:
+            no_effect = backend_registry.configure(backend, settings) if backend else None
+        except ValueError as exc:
+            parser.error(str(exc))
+        keys = settings if no_effect is None else no_effect
+        ignored += [f"{backend + ',' if backend else ''}{k}={settings[k]}" for k in keys]
+    return tuple(ignored)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +258,9 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         cache_bytes = args.response_cache_byte_size
     if args.repository_poll_secs <= 0:
         parser.error("--repository-poll-secs must be positive")
+    backend_config_ignored = _backend_config([v for v in args.backend_config if v], parser)
+    ignored_flags = [f"--{name}" for name in IGNORED_FLAGS if getattr(args, name.replace("-", "_"))
+                     and (name != "backend-config" or backend_config_ignored)]
     return Settings(
         model_repositories=repos,
         http_port=args.http_port,
@@ -277,7 +307,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         grpc_ssl=_grpc_ssl(args, parser),
         grpc_options=tuple((option, int(value)) for name, option in GRPC_OPTIONS.items()
                            if (value := getattr(args, name.replace("-", "_"))) is not None),
-        ignored_flags=tuple(f"--{name}" for name in IGNORED_FLAGS if getattr(args, name.replace("-", "_"))),
+        ignored_flags=tuple(ignored_flags),
+        backend_config_ignored=backend_config_ignored,
     )
 
 

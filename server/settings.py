@@ -55,6 +55,8 @@ class Settings:
     http_header_forward_pattern: str = ""  # headers whose names match become request parameters
     grpc_header_forward_pattern: str = ""  # the same for gRPC metadata
     ignored_flags: tuple[str, ...] = ()  # tritonserver flags accepted with no effect (logged at startup)
+    # --backend-config settings given to backends at parse time; these had no effect (logged at startup)
+    backend_config_ignored: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

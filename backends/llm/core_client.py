@@ -18,7 +18,6 @@ import logging
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
+from pier.contract.processes import exit_cause
 
 from . import engine_core as core
 from .async_engine import EngineClient, EngineDeadError, EngineFacts
@@ -41,17 +42,6 @@ log = logging.getLogger("pier.llm")
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0
 STOP_TIMEOUT_S = 30.0
-
-
-def describe_exit(code: int) -> str:
-    """How a process ended, as an operator reads it: "killed by signal 9 (SIGKILL)", "exited with code 1"."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        return f"killed by signal {-code} ({name})"
-    return f"exited with code {code}"
 
 
 class _Process:
@@ -151,7 +141,7 @@ class EngineCoreClient(EngineClient):
                     raise ValueError(message) if name in ("ValueError", "KeyError") else RuntimeError(
                         f"{name}: {message}")
                 if p.pidfd in events:
-                    raise RuntimeError(f"the LLM engine process {describe_exit(p.proc.wait())} while loading")
+                    raise RuntimeError(f"the LLM engine process {exit_cause(p.proc.wait())} while loading")
         except BaseException:
             self._stop_process(p)
             raise
@@ -227,7 +217,7 @@ class EngineCoreClient(EngineClient):
                 self._fail(rid, ValueError(message))
 
     def _died(self, p: _Process) -> None:
-        reason = f"the LLM engine process (pid {p.proc.pid}) {describe_exit(p.proc.wait())}"
+        reason = f"the LLM engine process (pid {p.proc.pid}) {exit_cause(p.proc.wait())}"
         log.error("%s; its requests failed", reason)
         self._dead = reason
         self._on_health(reason)  # first: the model is UNAVAILABLE before any client hears of the failure

@@ -3,12 +3,23 @@
 decoupled models, which answer through response senders), `finalize()`; models import
 `triton_python_backend_utils` (backends/python/triton_python_backend_utils.py).
 
-Where models run: in the server process, each instance on its own worker thread (Triton runs a
-stub process per instance). In-process costs no copies or IPC on each request and makes BLS a
-direct call into the data plane; the price is isolation: a model that crashes the interpreter
-(a segfault in a C extension) takes the server with it, and models share the GIL with the
-server. A model that raises, returns errors or wrong counts fails only its own requests.
+Where models run (`execution_mode`, a model config parameter, `process` or `in_process`; the
+server-wide default is `--backend-config=python,execution-mode=...`, itself `process`):
+
+- `process` (as Triton): each instance in its own stub process (backends/python/process.py,
+  backends/python/stub.py), which loads model.py with the same `PythonInstance` as below, so
+  pb_utils is the same. A model that exits, segfaults or is killed for its memory fails only its
+  own requests; its process restarts (bounded) and nothing else notices. Each request pays a
+  round trip to the child (tens of microseconds; bench/python_backend_process.py), and Triton's
+  `EXECUTION_ENV_PATH` (backends/python/env.py) can give a model its own packed environment.
+- `in_process`: each instance on its own worker thread in the server. No IPC, BLS is a direct call
+  into the data plane; the price is isolation: a model that crashes the interpreter takes the
+  server with it, and models share the GIL with the server.
+
+Either way a model that raises, returns errors or wrong counts fails only its own requests, and
 `execute` may be `async def` (each instance keeps its own event loop for it).
+`auto_complete_config` runs in the server process (it must before any instance exists), and only
+for a model.py that defines one: other models are not imported by the server at all.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import json
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +181,7 @@ class PythonInstance(ModelInstance):
     def _answer(self, request: pb_utils.InferenceRequest) -> ExecuteResult:
         """The one response a model that is not decoupled sent through `request`'s sender (it may
         send after execute() returned: wait for its FINAL flag)."""
+        assert request._answered is not None  # made with its sender
         request._answered.wait()
         if not request._answer:
             return internal(f"python model '{self._spec.name}' closed a response sender without a response")
@@ -185,13 +198,80 @@ class PythonInstance(ModelInstance):
             self._loop.close()
 
 
+MODE_PARAMETER = "execution_mode"
+MODES = ("process", "in_process")
+# Triton's python-backend settings: accepted so its command lines run, no effect here (Pier keeps
+# no shared-memory pool per stub: tensors over 64 KiB go through a memfd per message).
+TRITON_SETTINGS = ("shm-default-byte-size", "shm-growth-byte-size", "shm-message-queue-size",
+                   "shm_message_queue_size", "stub-timeout-seconds", "shm-region-prefix-name", "thread-pool-size")
+
+
+@dataclass(frozen=True)
+class PythonSettings:
+    """`--backend-config=python,KEY=VALUE`: the server-wide defaults of this backend."""
+
+    execution_mode: str = "process"
+    restart_limit: int = 5  # stub restarts allowed per instance within restart_window_s
+    restart_window_s: float = 600.0
+    ignored: tuple[str, ...] = ()  # Triton's settings given, with no effect here
+
+    @staticmethod
+    def parse(settings: dict[str, str]) -> PythonSettings:
+        """Raises ValueError naming the key for an unknown key or a bad value."""
+        mode, limit, window, ignored = "process", 5, 600.0, []
+        for key, value in settings.items():
+            if key == "execution-mode":
+                if value not in MODES:
+                    raise ValueError(f"--backend-config python,execution-mode={value}: expected one of "
+                                     f"{', '.join(MODES)}")
+                mode = value
+            elif key == "stub-restart-limit":
+                if not value.isdigit():
+                    raise ValueError(f"--backend-config python,stub-restart-limit={value}: expected a count >= 0")
+                limit = int(value)
+            elif key == "stub-restart-window-seconds":
+                try:
+                    window = float(value)
+                except ValueError:
+                    window = -1.0
+                if not window > 0:
+                    raise ValueError(f"--backend-config python,stub-restart-window-seconds={value}: expected "
+                                     "seconds > 0")
+            elif key in TRITON_SETTINGS:
+                ignored.append(key)
+            else:
+                raise ValueError(f"--backend-config python,{key}={value}: unknown setting '{key}' of the python "
+                                 "backend (known: execution-mode, stub-restart-limit, stub-restart-window-seconds, "
+                                 f"and Triton's {', '.join(TRITON_SETTINGS)}, accepted without effect)")
+        return PythonSettings(mode, limit, window, tuple(ignored))
+
+
+def _defines_auto_complete(model_path: Path) -> bool:
+    try:
+        return "auto_complete_config" in model_path.read_text(errors="replace")
+    except OSError:
+        return True  # let the import report it
+
+
 class PythonBackend(Backend):
     name = "python"
     default_model_filename = "model.py"
 
+    def __init__(self) -> None:
+        self.settings = PythonSettings()
+
+    def configure(self, settings: dict[str, str]) -> tuple[str, ...]:
+        """`--backend-config=python,...` (server/backend_registry.py): raises ValueError for an
+        unknown key or a bad value; returns the keys given that have no effect here."""
+        self.settings = PythonSettings.parse(settings)
+        return self.settings.ignored
+
     def describe(self, model_path: Path) -> ModelSignature | None:
         """Triton's auto-complete: a model's `auto_complete_config(auto_complete_model_config)`
-        static method declares its inputs, outputs, max_batch_size and transaction policy."""
+        static method declares its inputs, outputs, max_batch_size and transaction policy. A
+        model.py that does not mention it is not imported (nor run) by the server."""
+        if not _defines_auto_complete(model_path):
+            return None
         module = _load_module(model_path, model_path.parent.parent.name)
         cls = getattr(module, "TritonPythonModel", None)
         hook = getattr(cls, "auto_complete_config", None)
@@ -221,9 +301,24 @@ class PythonBackend(Backend):
             dynamic_batching="dynamic_batching" in doc, shapes_include_batch=False)
 
     def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
-        if model.services is not None:
-            pb_utils._bls = BlsClient(model.services)
-        return PythonInstance(model, instance)
+        from pier.backends.python import env, process
+
+        packed = model.spec.parameters.get(env.ENV_PARAMETER, "")
+        # a packed environment needs a process: it is the mode, unless the model says otherwise
+        mode = model.spec.parameters.get(MODE_PARAMETER, "") or ("process" if packed else self.settings.execution_mode)
+        if mode not in MODES:
+            raise invalid_arg(f"model '{model.spec.name}': parameter '{MODE_PARAMETER}' is '{mode}', expected one of "
+                              f"{', '.join(MODES)}")
+        if mode == "in_process":
+            if packed:
+                raise invalid_arg(f"model '{model.spec.name}': {env.ENV_PARAMETER} needs the process execution mode "
+                                  f"(parameter '{MODE_PARAMETER}' is in_process)")
+            if model.services is not None:
+                pb_utils._bls = BlsClient(model.services)
+            return PythonInstance(model, instance)
+        launch = env.launch_for(packed, model.spec.name, model.model_dir) if packed else process.default_launch()
+        return process.ProcessInstance(model, instance, launch, self.settings.restart_limit,
+                                       self.settings.restart_window_s)
 
 
 BACKEND = PythonBackend()

@@ -218,7 +218,7 @@ class InferenceRequest:
         self._sender: InferenceResponseSender | None = None
         # a model that is not decoupled answering through its sender: the one response, set when final
         self._answer: list[InferenceResponse] = []
-        self._answered = threading.Event()
+        self._answered: threading.Event | None = None  # made with the sender (most requests have none)
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     # what a model reads from a request it executes
@@ -256,6 +256,7 @@ class InferenceRequest:
         if self._server_request is None:
             raise TritonModelException("get_response_sender() is only available to requests the model executes")
         if self._sender is None:
+            self._answered = threading.Event()
             self._sender = InferenceResponseSender(self)
         return self._sender
 
@@ -273,7 +274,7 @@ class InferenceRequest:
             if self._answer:
                 raise TritonModelException("a model that is not decoupled sends one response per request")
             self._answer.append(response)
-        if final:
+        if final and self._answered is not None:
             self._answered.set()
 
     # BLS

@@ -12,8 +12,9 @@ import pytest
 
 from pier.backends.llm import core_client
 from pier.backends.llm.async_engine import EngineDeadError
-from pier.backends.llm.core_client import EngineCoreClient, describe_exit
+from pier.backends.llm.core_client import EngineCoreClient
 from pier.backends.llm.sampling_params import SamplingParams
+from pier.contract.processes import exit_cause
 
 PARAMS = {"kv_cache_memory_bytes": str(4 << 20)}
 
@@ -41,9 +42,9 @@ async def _collect(eng: EngineCoreClient, prompt: list[int], max_tokens: int) ->
     return ids
 
 
-def test_describe_exit() -> None:
-    assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
-    assert describe_exit(3) == "exited with code 3"
+def test_exit_cause() -> None:
+    assert exit_cause(-9) == "killed by signal 9 (SIGKILL)"
+    assert exit_cause(3) == "exited with code 3"
 
 
 def test_kill_fails_in_flight_then_restarts(llama_dir, prompts) -> None:
