@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pier import backend_registry
-from pier.contract.errors import invalid_arg
+from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import ModelSignature, ModelSpec
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config, source
@@ -140,7 +140,10 @@ def _read_config(name: str, path: Path, override: LoadOverride | None, config_na
     config_path = source.config_file(path, config_name)
     if override is not None and override.config_json:
         origin = f"the 'config' parameter of '{name}'"
-        raw = model_config.parse_config_json(override.config_json, origin)
+        try:
+            raw = model_config.parse_config_json(override.config_json, origin)
+        except PierError as exc:  # Triton's words for it (L0_http's test.sh greps the server log for them)
+            raise invalid_arg(f"Invalid config override: {exc.message}") from None
     elif config_path.exists():
         raw, origin = model_config.parse_config_file(config_path), str(config_path)
     elif auto_complete:

@@ -118,6 +118,12 @@ def test_config_override_replaces_config_pbtxt(server: PierProcess, http) -> Non
     assert http.get_model_config("addv")["max_batch_size"] == 8
     assert add_infer(http, "addv")[0] == "2"
     wait_for(lambda: index(server).get(("addv", "1")) == ("UNAVAILABLE", "unloaded"), what="v1 retired")
+    # an override that is not a ModelConfig: Triton's words, in the answer and in the server log
+    # (L0_http's test.sh greps the log for them); what serves keeps serving
+    with pytest.raises(InferenceServerException, match="Invalid config override: failed to parse"):
+        http.load_model("addv", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    wait_for(lambda: "Invalid config override" in server.log(), what="the refusal logged")
+    assert add_infer(http, "addv")[0] == "2"
 
 
 def test_load_with_files_in_the_request(server: PierProcess, http, tmp_path: Path) -> None:
