@@ -70,8 +70,8 @@ class DataPlane:
         await self._idle.wait()
 
     def live(self) -> bool:
-        if self._exiting:
-            raise unavailable("Server exiting")
+        """Live while it drains after SIGTERM too (Triton answers "Server exiting" there): a
+        liveness probe that failed would have the kubelet kill a pod finishing its requests."""
         return True
 
     def ready(self) -> bool:
@@ -155,9 +155,9 @@ class DataPlane:
     # ---- inference -----------------------------------------------------------------------
 
     def _target(self, request: InferenceRequest, model: LoadedModel | None) -> LoadedModel:
-        """The version this request runs on: the one its frontend resolved, else resolved now."""
-        if self._exiting:
-            raise unavailable("Server exiting: no new inference requests are accepted")
+        """The version this request runs on: the one its frontend resolved, else resolved now.
+        While the server exits requests still run, as in Triton (its InferAsync allows them, so
+        that a sequence spanning requests completes): models unload only after the drain."""
         return model if model is not None else self.resolve(request.model_name, request.model_version)
 
     def _begin(self) -> None:

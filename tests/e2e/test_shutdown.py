@@ -1,4 +1,5 @@
-"""SIGTERM: stop taking requests, finish those in flight (queued ones included), exit 0."""
+"""SIGTERM: readiness fails at once; requests in flight (queued ones included) finish, and so do
+those that still arrive while they drain (as Triton), answered with `Connection: close`; exit 0."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
         except requests.RequestException as exc:
             results.append(repr(exc))
 
+    idle = requests.Session()  # a kept-alive connection, idle when SIGTERM comes
+    assert idle.post(url, json=body, timeout=60).status_code == 200
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
         t.start()
@@ -45,14 +48,16 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     unfinished = 4 - len(results)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.05)
-    try:
-        late = requests.post(url, json=body, timeout=10).status_code
-    except requests.ConnectionError:
-        late = "refused"
+    ready = requests.get(f"{server.base()}/v2/health/ready", timeout=10)
+    assert ready.status_code == 503 and "Server exiting" in ready.text, ready.text
+    assert requests.get(f"{server.base()}/v2/health/live", timeout=10).status_code == 200  # draining, alive
+    late = requests.post(url, json=body, timeout=60)  # while the four drain: served
+    again = idle.post(url, json=body, timeout=60)  # on the kept-alive connection: served, then closed
     for t in threads:
         t.join(120)
     assert unfinished >= 2, f"requests finished before SIGTERM ({one:.3f}s each): test proves nothing"
     assert results == [200, 200, 200, 200], (results, server.log())
-    assert late in (503, "refused")
+    assert late.status_code == 200 and again.status_code == 200, (late.text, again.text, server.log())
+    assert again.headers.get("Connection") == "close" and late.headers.get("Connection") == "close"
     assert server.proc.wait(60) == 0
     assert "stopped" in server.log()
