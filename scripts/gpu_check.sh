@@ -4,7 +4,7 @@
 # providers; a TensorRT engine built from the mlp_onnx example by scripts/build_trt_engine.py,
 # served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
 # compared with the CPU; the LLM engine on CUDA (greedy tokens vs transformers on the same GPU,
-# and under swap preemption).
+# and under swap preemption), and in its own process (device auto: CUDA there; kill -9, restart).
 # Then the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
 # dynamic batching vs the module called directly on the GPU; its files go to $OUT when set.
 # And the GPU image (docker/Dockerfile.gpu, on its default CUDA base or GPU_IMAGE_BASE): built, then
@@ -45,7 +45,8 @@ PY
 LOG=/tmp/pier_gpu_check.log
 "$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py tests/backends/test_tensorrt.py \
     "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" \
-    "tests/backends/llm/test_engine_greedy.py::test_cuda_matches_transformers_on_cuda" > "$LOG" 2>&1
+    "tests/backends/llm/test_engine_greedy.py::test_cuda_matches_transformers_on_cuda" \
+    tests/backends/llm/test_engine_core.py > "$LOG" 2>&1
 # The engine builder's command line too (the tests call the same build_engine function).
 PLAN=/tmp/pier_gpu_check_mlp.plan
 if ! "$PY" -c "import tensorrt" 2>/dev/null; then
