@@ -106,6 +106,17 @@ def test_chart_lints_and_every_rendering_validates(tools, tmp_path: Path) -> Non
     assert _run([tools["crd-validate"], str(bad)]).returncode != 0
 
 
+def test_rolling_updates_keep_capacity(tools) -> None:
+    """A new pod is ready before an old one goes (maxUnavailable 0), unless the values say otherwise."""
+    deploy = next(d for d in _docs(_render(tools)) if d["kind"] == "Deployment")
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    gpu = next(d for d in _docs(_render(tools, "--set", "rollingUpdate.maxSurge=0", "--set",
+                                        "rollingUpdate.maxUnavailable=1")) if d["kind"] == "Deployment")
+    assert gpu["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert _run([tools["helm"], "template", "t", str(CHART), "--set", "rollingUpdate.maxSurg=1"]).returncode != 0
+
+
 def _docs(text: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(text) if d]
 
