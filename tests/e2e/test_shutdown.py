@@ -48,13 +48,18 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     unfinished = 4 - len(results)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.05)
+    # while the four drain, both at once: a new connection, and the kept-alive one (served, then closed)
+    during: dict[str, requests.Response] = {}
+    sends = [threading.Thread(target=lambda: during.__setitem__("late", requests.post(url, json=body, timeout=60))),
+             threading.Thread(target=lambda: during.__setitem__("again", idle.post(url, json=body, timeout=60)))]
+    for t in sends:
+        t.start()
     ready = requests.get(f"{server.base()}/v2/health/ready", timeout=10)
     assert ready.status_code == 503 and "Server exiting" in ready.text, ready.text
     assert requests.get(f"{server.base()}/v2/health/live", timeout=10).status_code == 200  # draining, alive
-    late = requests.post(url, json=body, timeout=60)  # while the four drain: served
-    again = idle.post(url, json=body, timeout=60)  # on the kept-alive connection: served, then closed
-    for t in threads:
+    for t in threads + sends:
         t.join(120)
+    late, again = during["late"], during["again"]
     assert unfinished >= 2, f"requests finished before SIGTERM ({one:.3f}s each): test proves nothing"
     assert results == [200, 200, 200, 200], (results, server.log())
     assert late.status_code == 200 and again.status_code == 200, (late.text, again.text, server.log())
