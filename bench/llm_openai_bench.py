@@ -141,26 +141,39 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
             proc.wait(60)
 
 
+class VllmServer:
+    def __init__(self, folder: Path, vllm_dir: Path) -> None:
+        tools = vllm_tools()
+        assert tools is not None
+        self.tools, self.vllm_dir = tools, vllm_dir
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["WAIT_S"] = "600"
+        started = subprocess.run(["bash", str(tools / "serve.sh"), str(vllm_dir), str(folder), str(port),
+                                  "--served-model-name", MODEL, "--block-size", "32"],
+                                 capture_output=True, text=True, env=env, timeout=900, check=False)
+        if started.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"vLLM failed to start: {(started.stderr or started.stdout).strip()[-300:]}")
+        self.base = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(self.tools / "stop.sh"), str(self.vllm_dir)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+
 def run_vllm(folder: Path, workloads: Workloads, streams: int, vllm_dir: Path) -> dict[str, Any] | str:
     why = vllm_unavailable(vllm_dir, "serve.sh", "stop.sh")
     if why is not None:
         return why
-    tools = vllm_tools()
-    assert tools is not None
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["WAIT_S"] = "600"
-    # serve.sh starts the server in the background and returns once /v1/models answers.
-    started = subprocess.run(["bash", str(tools / "serve.sh"), str(vllm_dir), str(folder), str(port),
-                              "--served-model-name", MODEL, "--block-size", "32"],
-                             capture_output=True, text=True, env=env, timeout=900, check=False)
     try:
-        if started.returncode != 0:
-            return f"failed to start: {(started.stderr or started.stdout).strip()[-300:]}"
-        return _drive_rounds(f"http://127.0.0.1:{port}", workloads, streams)
+        server = VllmServer(folder, vllm_dir)
+    except RuntimeError as exc:
+        return str(exc)
+    try:
+        return _drive_rounds(server.base, workloads, streams)
     finally:
-        subprocess.run(["bash", str(tools / "stop.sh"), str(vllm_dir)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False)
+        server.stop()
 
 
 def write_report(res: dict[str, Any], name: str) -> None:

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, loadavg, machine
-from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_tools, vllm_unavailable, workload
+from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_unavailable, workload
 from bench.llm_bench import run_pier as run_offline
-from bench.llm_openai_bench import MODEL, _drive, _wait_models
+from bench.llm_openai_bench import MODEL, VllmServer, _drive, _wait_models
 
 Workload = list[tuple[list[int], int]]
 
@@ -63,27 +63,6 @@ class PierServer:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
-
-
-class VllmServer:
-    def __init__(self, folder: Path, vllm_dir: Path) -> None:
-        tools = vllm_tools()
-        assert tools is not None
-        self.tools, self.vllm_dir = tools, vllm_dir
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        env["WAIT_S"] = "600"
-        started = subprocess.run(["bash", str(tools / "serve.sh"), str(vllm_dir), str(folder), str(port),
-                                  "--served-model-name", MODEL, "--block-size", "32"],
-                                 capture_output=True, text=True, env=env, timeout=900, check=False)
-        if started.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"vLLM failed to start: {(started.stderr or started.stdout).strip()[-300:]}")
-        self.base = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        subprocess.run(["bash", str(self.tools / "stop.sh"), str(self.vllm_dir)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=False)
 
 
 def _cpu_s(pid: int) -> float:
