@@ -38,6 +38,8 @@ serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (g
 
 test: $(VENV)/.test-deps $(VENV)/.linked perf-analyzer lint  ## lint, then every test (unit + e2e against real servers)
 	PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q
+	@echo "the e2e tests again, every server with --frontend-processes=2:"
+	PIER_TEST_FRONTEND_PROCESSES=2 PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q tests/e2e
 
 lint: $(VENV)/.test-deps $(VENV)/.linked
 	$(VENV)/bin/ruff check .

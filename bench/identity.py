@@ -19,9 +19,9 @@ from bench.servers import (
     start_bare_grpc,
     start_bare_http,
     start_pier,
-    start_triton,
+    triton_reference_starter,
 )
-from bench.tools import perf_analyzer_required, reference_tool
+from bench.tools import perf_analyzer_required
 
 PIER, TRITON, BARE_HTTP, BARE_GRPC = "Pier", "Triton 2.51", "bare aiohttp", "bare grpc.aio"
 PIER_NO_DELAY = "Pier, no queue delay"
@@ -41,16 +41,7 @@ def run(settings: Settings) -> Path:
         pier_repo, triton_repo = tmp / "pier", tmp / "triton"
         shutil.copytree(ROOT / "model_repository" / MODEL, pier_repo / MODEL)
         copy_without_queue_delay(ROOT / "model_repository" / MODEL, tmp / "pier_no_delay" / MODEL)
-        triton_ref = reference_tool("triton-reference")  # None: start_triton skips Triton with a note
-        triton_src = triton_ref / "models" / MODEL if triton_ref is not None else None
-        if triton_src is not None and triton_src.is_dir():
-            # a private copy: the python backend writes __pycache__ next to model.py
-            shutil.copytree(triton_src, triton_repo / MODEL)
-
-        def start_triton_identity():
-            if triton_src is not None and not triton_src.is_dir():
-                raise RuntimeError(f"no {triton_src} (the reference Triton's {MODEL})")
-            return start_triton(triton_repo)
+        start_triton_identity = triton_reference_starter(MODEL, triton_repo)
 
         up = {
             PIER: servers.add(PIER, lambda: start_pier("pier_identity", pier_repo), required=True),

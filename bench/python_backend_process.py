@@ -15,7 +15,6 @@ PIER_REFERENCE_TOOLS (its triton-reference/): without it that row is skipped wit
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import threading
@@ -27,8 +26,8 @@ import numpy as np
 from bench import report
 from bench.common import Settings, log, temp_dir
 from bench.measure import Point, perf_analyzer_point
-from bench.servers import Server, Servers, measure, start_pier, start_triton
-from bench.tools import perf_analyzer, reference_tool
+from bench.servers import Server, Servers, measure, start_pier, triton_reference_starter
+from bench.tools import perf_analyzer
 
 PROCESS, IN_PROCESS, TRITON = "Pier, process", "Pier, in-process", "Triton 2.51"
 CONCURRENCY = [1, 8]
@@ -128,15 +127,7 @@ def run(settings: Settings) -> Path:
         notes.append("perf_analyzer not available: tritonclient loops (one client per thread, closed loop) "
                      "drive the servers instead")
     with Servers() as servers, temp_dir("pyproc-") as tmp:
-        triton_ref = reference_tool("triton-reference")
-        triton_src = triton_ref / "models" / MODEL if triton_ref is not None else None
-        if triton_src is not None and triton_src.is_dir():
-            shutil.copytree(triton_src, tmp / "triton" / MODEL)  # its python backend writes __pycache__
-
-        def start_triton_identity() -> Server:
-            if triton_src is not None and not triton_src.is_dir():
-                raise RuntimeError(f"no {triton_src} (the reference Triton's {MODEL})")
-            return start_triton(tmp / "triton")
+        start_triton_identity = triton_reference_starter(MODEL, tmp / "triton")
 
         up = {
             PROCESS: servers.add(PROCESS, lambda: start_pier("pier_py_process", _repo(tmp / "process", "process")),

@@ -190,6 +190,23 @@ def start_bare_grpc(timeout: float = 30) -> Server:
 TRITON = "Triton 2.51"
 
 
+def triton_reference_starter(model: str, scratch: Path) -> Callable[[], Server]:
+    """A starter for the reference Triton serving its own `models/<model>` from a private copy in
+    `scratch` (its python backend writes __pycache__ next to model.py); without the reference
+    tools, start_triton raises the skip note."""
+    ref = reference_tool("triton-reference")
+    src = ref / "models" / model if ref is not None else None
+    if src is not None and src.is_dir():
+        shutil.copytree(src, scratch / model)
+
+    def start() -> Server:
+        if src is not None and not src.is_dir():
+            raise RuntimeError(f"no {src} (the reference Triton's {model})")
+        return start_triton(scratch)
+
+    return start
+
+
 def start_triton(repo: Path, timeout: float = 180) -> Server:
     """The reference tritonserver via $PIER_REFERENCE_TOOLS/triton-reference/start.sh; stopped with stop.sh.
 

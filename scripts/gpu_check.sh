@@ -5,7 +5,8 @@
 # served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
 # compared with the CPU; the LLM engine on CUDA (greedy tokens vs transformers on the same GPU,
 # and under swap preemption), and in its own process (device auto: CUDA there; kill -9, restart).
-# Then the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
+# Then the frontend-processes table on the machine's cores (issue 22, where perf_analyzer is there),
+# and the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
 # dynamic batching vs the module called directly on the GPU; its files go to $OUT when set.
 # And the GPU image (docker/Dockerfile.gpu, on its default CUDA base or GPU_IMAGE_BASE): built, then
 # asked inside for CUDA (torch) and ONNX Runtime's CUDA provider; a row says SKIPPED where Docker or
@@ -66,6 +67,17 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     fi
 else
     echo "SKIPPED bench/text_embedding_gpu.py: torch sees no CUDA device" >> "$LOG"
+fi
+# Frontend processes on the machine's cores (issue 22): identity_fp32, Pier with 0/1/2/4 frontend
+# processes (vs Triton where PIER_REFERENCE_TOOLS has it), perf_analyzer where it is installed.
+PA=${PERF_ANALYZER:-$HOME/opt/perf-analyzer/perf_analyzer}
+if [ ! -x "$PA" ]; then
+    echo "SKIPPED bench/frontend_processes.py: no perf_analyzer at $PA (PERF_ANALYZER=...)" >> "$LOG"
+elif PERF_ANALYZER=$PA timeout 900 "$PY" -m bench.frontend_processes --quick --no-embedding >> "$LOG" 2>&1; then
+    echo "PASSED bench/frontend_processes.py on $(nproc) cores -> bench/results/frontend_processes-quick.md" >> "$LOG"
+    [ -n "${OUT:-}" ] && cp bench/results/frontend_processes-quick.* "$OUT"/ 2>/dev/null
+else
+    echo "FAILED bench/frontend_processes.py" >> "$LOG"
 fi
 # The GPU image: where Docker runs and the CUDA base image is here or can be pulled.
 GPU_BASE=${GPU_IMAGE_BASE:-$(sed -n 's/^ARG BASE_IMAGE=//p' docker/Dockerfile.gpu)}

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 from aiohttp import web
 
@@ -15,6 +18,8 @@ from pier.control_plane import ControlPlane
 from pier.data_plane import DataPlane
 from pier.frontends.grpc.servicer import start_grpc_server
 from pier.frontends.http.app import build_app
+from pier.frontends.http.middleware import quiet_client_mistakes
+from pier.frontends.workers.pool import FrontendPool
 from pier.lifecycle.lifecycle import ModelLifecycle
 from pier.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from pier.repository.manager import RepositoryManager
@@ -58,6 +63,8 @@ class PierServer:
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
         self._grpc = None
+        self._frontends: FrontendPool | None = None
+        self._socket_dir: Path | None = None
 
     async def start_endpoints(self) -> None:
         s = self.settings
@@ -75,23 +82,41 @@ class PierServer:
                 body = renderer.render() + limiter.prometheus().encode()
                 return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
+        # With frontend processes, this process serves its HTTP app and gRPC services on Unix sockets
+        # in a private folder: the frontends relay there what they do not serve themselves.
+        fronted = s.frontend_processes > 0 and (s.allow_http or s.allow_grpc)
+        if fronted:
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="pier-frontends-"))
+        paths = {"http": str(self._socket_dir / "http.sock"), "grpc": str(self._socket_dir / "grpc.sock")} \
+            if self._socket_dir is not None else {}
+        behind = f" ({s.frontend_processes} frontend processes)" if fronted else ""
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size,
                             restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics,
                             s.http_header_forward_pattern, (keys, limiter))
-            await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
-            log.info("Started HTTPService at %s:%d", s.http_address, s.http_port)
+            if fronted:
+                await self._serve_unix(app, paths["http"])
+            else:
+                await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
         if s.allow_grpc:
-            address = f"{_host(s.grpc_address)}:{s.grpc_port}"
+            address = f"unix:{paths['grpc']}" if fronted else f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
                 self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size,
-                                                     s.grpc_options, s.reuse_grpc_port, s.grpc_ssl,
+                                                     s.grpc_options, s.reuse_grpc_port and not fronted,
+                                                     None if fronted else s.grpc_ssl,
                                                      restrictions.parse(s.grpc_restricted_protocol,
                                                                         "--grpc-restricted-protocol"),
                                                      s.grpc_header_forward_pattern, keys, limiter)
             except RuntimeError as exc:
                 raise OSError(f"cannot bind gRPC to {address}: {exc}") from exc
-            log.info("Started GRPCInferenceService at %s%s", address, " (TLS)" if s.grpc_ssl else "")
+        if fronted:
+            self._frontends = FrontendPool(s, self.plane, limiter, paths)
+            await self._frontends.start()
+        if s.allow_http:
+            log.info("Started HTTPService at %s:%d%s", s.http_address, s.http_port, behind)
+        if s.allow_grpc:
+            log.info("Started GRPCInferenceService at %s:%d%s%s", _host(s.grpc_address), s.grpc_port,
+                     " (TLS)" if s.grpc_ssl else "", behind)
         if metrics is not None:
             app = web.Application()
             app.router.add_get("/metrics", metrics)
@@ -104,6 +129,12 @@ class PierServer:
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, address, port, reuse_address=True, reuse_port=reuse_port or None).start()
+        self._runners.append(runner)
+
+    async def _serve_unix(self, app: web.Application, path: str) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await runner.setup()
+        await web.UnixSite(runner, path).start()
         self._runners.append(runner)
 
     async def load_models(self) -> list[str]:
@@ -123,6 +154,8 @@ class PierServer:
 
     async def shutdown(self) -> None:
         self.plane.begin_exit()
+        if self._frontends is not None:
+            self._frontends.begin_exit()
         if self._watcher is not None:
             await self._watcher.stop()
         try:
@@ -130,10 +163,14 @@ class PierServer:
         except asyncio.TimeoutError:
             log.warning("exit timeout: in-flight requests did not finish within %.0fs",
                         self.settings.exit_timeout_secs)
+        if self._frontends is not None:
+            await self._frontends.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         for runner in self._runners:
             await runner.cleanup()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.plane.shared_memory.close()
         self.plane.tracer.close()
         await self.manager.unload_all()
@@ -170,29 +207,11 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
-class _ClientMistakes(logging.Filter):
-    """aiohttp logs every malformed request (bad Content-Length, broken chunking or gzip) as an
-    ERROR with a traceback: any client could flood the log. The client got its 400; keep these
-    as one DEBUG line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-        from aiohttp.web_protocol import RequestPayloadError
-
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, (HttpProcessingError, RequestPayloadError, ConnectionResetError)):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            text = f"{record.getMessage()}: {exc!r}"  # args=() below: no further %-formatting
-            record.msg, record.args, record.exc_info, record.exc_text = text, (), None, None
-            return logging.getLogger().isEnabledFor(logging.DEBUG)
-        return True
-
-
 def run(settings: Settings) -> int:
     log_settings.install(log_settings.LogSettings(
         log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
         log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
-    logging.getLogger("aiohttp.server").addFilter(_ClientMistakes())
+    quiet_client_mistakes()
     if settings.ignored_flags:
         log.warning("accepted for tritonserver compatibility, with no effect in Pier: %s",
                     ", ".join(settings.ignored_flags))

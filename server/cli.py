@@ -24,6 +24,17 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"invalid value for bool option: {value} (expected true/false, on/off or 1/0)")
 
 
+def _count(value: str) -> int:
+    """A process count: 0 to 64."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"invalid process count: '{value}' (an integer from 0 to 64)")
+    return n
+
+
 def _enum(flag: str, values: tuple[str, ...], case_sensitive: bool = False) -> Callable[[str], str]:
     """An enumerated option's value: tritonserver compares --model-control-mode in any case and
     --log-format exactly (probed); a bad value gets its message and the values allowed."""
@@ -96,6 +107,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
          "calls the composing models of its own repository first, and a name in several answers as ambiguous")
     flag("--model-config-name", default="", metavar="NAME",
          help="use <model>/configs/NAME.pbtxt instead of config.pbtxt where a model has one")
+    flag("--frontend-processes", type=_count, default=0, metavar="N",
+         help="N processes accept the HTTP and gRPC connections (on the same ports) and decode and encode "
+         "inference requests, in front of this one, where the models and their schedulers run; 0: this process "
+         "serves them itself (docs/architecture.md: which is faster where)")
     for name in ("reuse-http-port", "reuse-grpc-port", "grpc-use-ssl", "grpc-use-ssl-mutual"):
         flag(f"--{name}", type=_bool, nargs="?", const=True, default=False, metavar="BOOL")
     flag("--grpc-server-cert", default="", metavar="PEM")
@@ -304,6 +319,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         grpc_header_forward_pattern=args.grpc_header_forward_pattern,
         reuse_http_port=args.reuse_http_port,
         reuse_grpc_port=args.reuse_grpc_port,
+        frontend_processes=args.frontend_processes,
         grpc_ssl=_grpc_ssl(args, parser),
         grpc_options=tuple((option, int(value)) for name, option in GRPC_OPTIONS.items()
                            if (value := getattr(args, name.replace("-", "_"))) is not None),

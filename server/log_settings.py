@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,12 @@ class _Switches(logging.Filter):
 
 _current = LogSettings()
 _handler: logging.Handler | None = None
+_listeners: list[Callable[[dict[str, Any]], None]] = []
+
+
+def on_change(listener: Callable[[dict[str, Any]], None]) -> None:
+    """Call `listener(settings)` after each update (the frontend processes follow the server's)."""
+    _listeners.append(listener)
 
 
 def current() -> LogSettings:
@@ -140,4 +147,6 @@ def update(changes: dict[str, Any]) -> dict[str, Any]:
         setattr(new, key, value)
     _current.__dict__.update(new.__dict__)
     _apply()
+    for listener in _listeners:
+        listener(_current.as_dict())
     return _current.as_dict()

@@ -47,6 +47,7 @@ class Settings:
     rate_limit_key: str = ""  # --rate-limit-key: RATE[:BURST] per API key
     reuse_http_port: bool = False
     reuse_grpc_port: bool = False
+    frontend_processes: int = 0  # --frontend-processes: 0 = HTTP/gRPC served in the server process
     grpc_ssl: GrpcSsl | None = None
     grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 settings, as grpc channel args
     response_cache_bytes: int = 0  # --cache-config local,size=: 0 = no response cache

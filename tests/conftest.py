@@ -70,6 +70,11 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
                timeout: float = 60, env: dict[str, str] | None = None,
                ports: tuple[int, int, int] | None = None) -> PierProcess:
     http, grpc_, metrics = ports or (free_port(), free_port(), free_port())
+    # PIER_TEST_FRONTEND_PROCESSES=N runs every such server with N frontend processes (`make test`
+    # runs the e2e tests once so): the control plane must behave the same in both modes.
+    frontends = os.environ.get("PIER_TEST_FRONTEND_PROCESSES")
+    if frontends and not any(a.startswith("--frontend-processes") for a in extra):
+        extra = (*extra, f"--frontend-processes={frontends}")
     cmd = [sys.executable, "-m", "pier", "serve",
            *[f"--model-repository={r}" for r in repos],
            f"--http-port={http}", f"--grpc-port={grpc_}", f"--metrics-port={metrics}",

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pier.backends.python import wire
 from pier.backends.python.backend import BACKEND, PythonSettings
 from pier.backends.python.process import ProcessInstance, default_launch
+from pier.contract import wire
 from pier.contract.backend import InstanceContext, ModelContext
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InstanceGroupSpec, ModelSpec, Outputs, Tensor, TensorSpec

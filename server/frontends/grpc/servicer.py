@@ -385,18 +385,29 @@ async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: st
     """The gRPC endpoint; `options` are extra grpc server options (keepalive, HTTP/2 pings), `ssl`
     serves TLS (mutual: client certificates must chain to its root certificate), `restricted`
     names protocol categories that need a header (--grpc-restricted-protocol)."""
+    server = grpc_server(max_message_bytes, options, reuse_port, restricted, keys)
+    _add_service(server, InferenceServicer(plane, control, header_pattern, limiter),
+                 pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
+    _add_service(server, HealthServicer(plane), health_pb2.DESCRIPTOR.services_by_name["Health"])
+    await bind_and_start(server, address, ssl)
+    return server
+
+
+def grpc_server(max_message_bytes: int, options: Sequence[tuple[str, int]] = (), reuse_port: bool = False,
+                restricted: restrictions.Rules | None = None, keys: ApiKeys | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with Pier's options and interceptors, no services yet."""
     interceptors: list[grpc.aio.ServerInterceptor] = [GrpcRestrictions(restricted)] if restricted else []
     if keys is not None and keys.enabled:
         interceptors.append(GrpcApiKeys(keys))
-    server = grpc.aio.server(interceptors=interceptors or None, options=[
+    return grpc.aio.server(interceptors=interceptors or None, options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port)),
         *options,
     ])
-    _add_service(server, InferenceServicer(plane, control, header_pattern, limiter),
-                 pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
-    _add_service(server, HealthServicer(plane), health_pb2.DESCRIPTOR.services_by_name["Health"])
+
+
+async def bind_and_start(server: grpc.aio.Server, address: str, ssl: GrpcSsl | None = None) -> None:
     if ssl is not None:
         credentials = grpc.ssl_server_credentials(
             [(ssl.server_key.read_bytes(), ssl.server_cert.read_bytes())],
@@ -408,4 +419,3 @@ async def start_grpc_server(plane: DataPlane, control: ControlPlane, address: st
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {address}")
     await server.start()
-    return server

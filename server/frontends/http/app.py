@@ -287,6 +287,19 @@ class HttpHandlers:
 MAX_BODY_BYTES = (1 << 31) - 1
 
 
+def close_when_exiting(app: web.Application, plane: DataPlane) -> None:
+    """While the server drains (SIGTERM) requests are still served, as in Triton, each with
+    `Connection: close`: a client on a kept-alive connection reconnects, and a load balancer
+    sends the new connection to a pod that is staying (readiness is 503 here)."""
+
+    async def hook(request: web.Request, response: web.StreamResponse) -> None:
+        if plane.exiting:
+            response.force_close()  # the headers are computed by now: say so too
+            response.headers["Connection"] = "close"
+
+    app.on_response_prepare.append(hook)
+
+
 def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
               restricted: restrictions.Rules | None = None,
               metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
@@ -298,16 +311,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     if guards is not None and (guards[0].enabled or guards[1].enabled):
         middlewares.append(guard_middleware(*guards))
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
-
-    async def close_when_exiting(request: web.Request, response: web.StreamResponse) -> None:
-        """While the server drains (SIGTERM) requests are still served, as in Triton, each with
-        `Connection: close`: a client on a kept-alive connection reconnects, and a load balancer
-        sends the new connection to a pod that is staying (readiness is 503 here)."""
-        if plane.exiting:
-            response.force_close()  # the headers are computed by now: say so too
-            response.headers["Connection"] = "close"
-
-    app.on_response_prepare.append(close_when_exiting)
+    close_when_exiting(app, plane)
     h = HttpHandlers(plane, control, max_input_size, compile_pattern(header_pattern))
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"

@@ -133,14 +133,40 @@ def guard_middleware(keys: ApiKeys, limiter: RateLimiter) -> Callable[[web.Reque
             model = await _model_of(request)
             refused = limiter.admit(model, key)
             if refused is not None:
-                wait, scope = refused
-                message = limited_message(model, scope, wait)
-                headers = {"Retry-After": str(max(1, math.ceil(wait)))}
-                if path.startswith("/v1/"):
-                    return _openai_error(429, message, "requests", "rate_limit_exceeded", headers)
-                response = error_response(429, message)
-                response.headers.update(headers)
-                return response
+                return limited_response(path, model, *refused)
         return await handler(request)
 
     return guard
+
+
+def limited_response(path: str, model: str, wait: float, scope: str) -> web.Response:
+    """429 for a request a rate limit refused (`scope`: "model" or "key"), with Retry-After."""
+    message = limited_message(model, scope, wait)
+    headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+    if path.startswith("/v1/"):
+        return _openai_error(429, message, "requests", "rate_limit_exceeded", headers)
+    response = error_response(429, message)
+    response.headers.update(headers)
+    return response
+
+
+class _ClientMistakes(logging.Filter):
+    """aiohttp logs every malformed request (bad Content-Length, broken chunking or gzip) as an
+    ERROR with a traceback: any client could flood the log. The client got its 400; keep these
+    as one DEBUG line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError, ConnectionResetError)):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            text = f"{record.getMessage()}: {exc!r}"  # args=() below: no further %-formatting
+            record.msg, record.args, record.exc_info, record.exc_text = text, (), None, None
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_client_mistakes() -> None:
+    logging.getLogger("aiohttp.server").addFilter(_ClientMistakes())

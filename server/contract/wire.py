@@ -1,4 +1,5 @@
-"""The messages between the server and a Python model's stub process (backends/python/stub.py).
+"""Messages between Pier's processes: the server and a Python model's stub process
+(backends/python/stub.py), and the server and its frontend processes (pier.frontends.workers).
 
 Transport: a `socketpair(AF_UNIX, SOCK_SEQPACKET)` the child inherits (no name on any file
 system, nothing another process can connect to): every `send` is one whole message, so threads
@@ -141,7 +142,7 @@ Source = mmap.mmap | Borrowed | None  # where a message's large tensors are
 
 
 def _memfd(size: int) -> int:
-    fd = os.memfd_create("pier-python-tensors", os.MFD_CLOEXEC)
+    fd = os.memfd_create("pier-tensors", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
     except BaseException:
@@ -243,18 +244,19 @@ class Receiver:
 def tensor_out(t: Tensor, packer: Packer) -> list[Any]:
     data = t.data
     if data.dtype == np.object_ or t.datatype == "BYTES":
-        return [t.name, t.datatype, list(t.shape), list(data.shape), "", _STRINGS, data.reshape(-1).tolist()]
+        return [t.name, t.datatype, list(t.shape), list(data.shape), "", _STRINGS, data.reshape(-1).tolist(),
+                t.parameters]
     data = np.ascontiguousarray(data)
     where, payload = packer.place(data)
-    return [t.name, t.datatype, list(t.shape), list(data.shape), data.dtype.str, where, payload]
+    return [t.name, t.datatype, list(t.shape), list(data.shape), data.dtype.str, where, payload, t.parameters]
 
 
 def tensor_in(w: list[Any], mapping: Source) -> Tensor:
-    name, datatype, shape, array_shape, dtype, where, payload = w
+    name, datatype, shape, array_shape, dtype, where, payload, params = w
     if where == _STRINGS:
         flat = np.empty(len(payload), dtype=np.object_)
         flat[:] = payload
-        return Tensor(name, datatype, shape, flat.reshape(array_shape))
+        return Tensor(name, datatype, shape, flat.reshape(array_shape), params)
     dt = np.dtype(dtype)
     if where == _INLINE:
         data = np.frombuffer(payload, dtype=dt).reshape(array_shape)
@@ -264,7 +266,7 @@ def tensor_in(w: list[Any], mapping: Source) -> Tensor:
     else:  # this message's own memfd: the mapping lives as long as the array
         count = int(np.prod(array_shape, dtype=np.int64))
         data = np.frombuffer(mapping, dtype=dt, count=count, offset=payload).reshape(array_shape)  # type: ignore[arg-type]
-    return Tensor(name, datatype, shape, data)
+    return Tensor(name, datatype, shape, data, params)
 
 
 def error_out(error: PierError) -> list[Any]:

@@ -1,0 +1,1 @@
+"""Frontend processes (`--frontend-processes N`): the channel, the server side, the worker."""

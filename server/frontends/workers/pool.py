@@ -1,0 +1,189 @@
+"""The server's side of `--frontend-processes N`: starts N frontend processes (worker.py), serves
+the inference requests they decode through the one DataPlane (so a model's dynamic batcher still
+sees every request in one queue), tells them when the server drains and when to stop, and
+restarts one that dies (its clients' connections drop; the other frontends keep serving)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pier import log_settings
+from pier.contract import wire
+from pier.contract.errors import ErrorCode, PierError
+from pier.contract.processes import exit_cause
+from pier.contract.types import InferenceResponse
+from pier.data_plane import DataPlane
+from pier.frontends.workers import channel as ch
+from pier.guards import RateLimiter
+from pier.settings import Settings
+
+log = logging.getLogger("pier.frontends")
+
+START_TIMEOUT_S = 60.0
+RESTARTS, RESTART_WINDOW_S = 10, 60.0  # a frontend that dies more often than this stays down
+
+
+def _same(response: InferenceResponse) -> InferenceResponse:
+    return response
+
+
+@dataclass(eq=False)
+class _Frontend:
+    index: int
+    proc: subprocess.Popen
+    channel: ch.Channel | None = None
+    started: asyncio.Future[None] | None = None
+    tasks: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+
+
+class FrontendPool:
+    def __init__(self, settings: Settings, plane: DataPlane, limiter: RateLimiter, paths: dict[str, str]) -> None:
+        self.settings = settings
+        self.count = settings.frontend_processes
+        self._plane = plane
+        self._limiter = limiter
+        self._paths = paths
+        self._blob = pickle.dumps(settings)
+        self._frontends: dict[int, _Frontend] = {}
+        self._restarts: dict[int, list[float]] = {}
+        self._stopping = False
+        self._exiting = False
+        log_settings.on_change(lambda doc: self._broadcast([ch.LOG, doc]))
+
+    def _broadcast(self, message: list[Any]) -> None:
+        for f in self._frontends.values():
+            if f.channel is not None:
+                f.channel.send(message)
+
+    @property
+    def pids(self) -> list[int]:
+        return [f.proc.pid for f in self._frontends.values()]
+
+    async def start(self) -> None:
+        """Start every frontend; raises OSError with the first one's reason when any cannot bind."""
+        await asyncio.gather(*(self._start(i) for i in range(self.count)))
+
+    async def _start(self, index: int) -> None:
+        ours, theirs = wire.channel_pair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "pier.frontends.workers.worker", str(theirs.fileno()),
+                                     str(index)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        loop = asyncio.get_running_loop()
+        frontend = _Frontend(index, proc, started=loop.create_future())
+        self._frontends[index] = frontend
+        frontend.channel = ch.Channel(ours, lambda m, s: self._message(frontend, m, s),
+                                      lambda: self._closed(frontend))
+        frontend.channel.send([ch.SETTINGS, self._blob, self._paths])
+        frontend.channel.send([ch.LOG, log_settings.current().as_dict()])  # as changed since startup
+        if self._exiting:
+            frontend.channel.send([ch.EXITING])
+        assert frontend.started is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(frontend.started), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise OSError(f"frontend process {index} did not start within {START_TIMEOUT_S:.0f} s") from None
+
+    # ---- messages -------------------------------------------------------------------------
+
+    def _message(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
+        kind = message[0]
+        if kind == ch.INFER:
+            rid = message[1]
+            frontend.tasks[rid] = asyncio.ensure_future(self._serve(frontend, message, mapping))
+        elif kind == ch.CANCEL:
+            task = frontend.tasks.pop(message[1], None)
+            if task is not None:
+                task.cancel()
+        elif kind == ch.READY:
+            if frontend.started is not None and not frontend.started.done():
+                frontend.started.set_result(None)
+        elif kind == ch.FAILED:
+            if frontend.started is not None and not frontend.started.done():
+                frontend.started.set_exception(OSError(message[1]))
+
+    async def _serve(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
+        _, rid, protocol, received_ns, key, wired = message
+        packer: wire.Packer | None = None
+        try:
+            _, request, _ = wire.request_in(wired, mapping)
+            refused = self._limiter.admit(request.model_name, key) if self._limiter.enabled else None
+            if refused is not None:
+                reply: list[Any] = [ch.LIMITED, rid, request.model_name, refused[0], refused[1]]
+            else:
+                response = await self._plane.serve(request, _same, None, protocol, received_ns)
+                packer = wire.Packer()
+                reply = [ch.REPLY, rid, wire.response_out(response, packer)]
+        except asyncio.CancelledError:  # the frontend's client went away
+            reply = []
+            raise
+        except PierError as exc:
+            reply = [ch.REPLY, rid, wire.error_out(exc)]
+        except Exception as exc:
+            log.exception("a request from frontend process %d failed", frontend.index)
+            reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL,
+                                                             f"internal error: {type(exc).__name__}: {exc}"))]
+        finally:
+            frontend.tasks.pop(rid, None)
+        if frontend.channel is not None:
+            frontend.channel.send(reply, packer)
+
+    def _closed(self, frontend: _Frontend) -> None:
+        for task in frontend.tasks.values():
+            task.cancel()
+        frontend.tasks.clear()
+        if frontend.started is not None and not frontend.started.done():
+            frontend.started.set_exception(OSError(f"frontend process {frontend.index} exited while starting"))
+        if not self._stopping:
+            asyncio.ensure_future(self._restart(frontend))
+
+    async def _restart(self, frontend: _Frontend) -> None:
+        code = await asyncio.get_running_loop().run_in_executor(None, frontend.proc.wait)
+        if self._stopping or self._frontends.get(frontend.index) is not frontend:
+            return
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(frontend.index, []) if now - t < RESTART_WINDOW_S] + [now]
+        self._restarts[frontend.index] = recent
+        if len(recent) > RESTARTS:
+            log.error("frontend process %d (pid %d) %s; it died %d times in %.0f s: not restarting it",
+                      frontend.index, frontend.proc.pid, exit_cause(code), len(recent), RESTART_WINDOW_S)
+            del self._frontends[frontend.index]
+            return
+        log.warning("frontend process %d (pid %d) %s: restarting it", frontend.index, frontend.proc.pid,
+                    exit_cause(code))
+        try:
+            await self._start(frontend.index)
+        except OSError as exc:
+            log.error("frontend process %d could not restart: %s", frontend.index, exc)
+
+    # ---- drain and stop -------------------------------------------------------------------
+
+    def begin_exit(self) -> None:
+        """The server drains: every answer from now on says `Connection: close`."""
+        self._exiting = True
+        self._broadcast([ch.EXITING])
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._broadcast([ch.STOP])
+        loop = asyncio.get_running_loop()
+        for f in list(self._frontends.values()):
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, f.proc.wait), timeout)
+            except asyncio.TimeoutError:
+                log.warning("frontend process %d (pid %d) did not stop: killing it", f.index, f.proc.pid)
+                f.proc.kill()
+                await loop.run_in_executor(None, f.proc.wait)
+            if f.channel is not None:
+                f.channel.close()
+        self._frontends.clear()
+

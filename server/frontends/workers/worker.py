@@ -1,0 +1,341 @@
+"""A frontend process (`--frontend-processes N`): accepts HTTP and gRPC connections on the
+server's ports (SO_REUSEPORT: the kernel spreads connections over the N processes) and does the
+protocol work of inference requests itself: it parses and decodes them with the same codecs as
+the server, sends the decoded request to the server process over its channel (channel.py),
+and encodes the answer. Everything else (and an inference request that names shared memory,
+raw binary bodies that need the model's signature) is relayed whole to the server (proxy.py).
+
+    python -m pier.frontends.workers.worker FD INDEX
+
+FD is this process's end of its channel; the settings arrive as the first message. The process
+ignores SIGINT and SIGTERM (the server drains and stops its frontends itself) and exits when the
+server tells it to, or when the channel closes (the server is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import grpc
+from aiohttp import web
+
+from pier import log_settings, restrictions
+from pier.contract import wire
+from pier.contract.errors import ErrorCode, PierError, unavailable
+from pier.contract.types import InferenceRequest, InferenceResponse
+from pier.data_plane import DataPlane
+from pier.frontends.grpc.servicer import (
+    InferenceServicer,
+    _lenient,
+    _translate,
+    bind_and_start,
+    grpc_server,
+)
+from pier.frontends.http.app import MAX_BODY_BYTES, HttpHandlers, close_when_exiting
+from pier.frontends.http.middleware import (
+    error_middleware,
+    guard_middleware,
+    limited_response,
+    quiet_client_mistakes,
+    restrict_middleware,
+)
+from pier.frontends.workers import channel as ch
+from pier.frontends.workers.proxy import GrpcForwarder, HttpProxy
+from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
+from pier.protocol import grpc_service_pb2 as pb
+from pier.protocol import health_pb2
+from pier.settings import Settings
+from pier.validation import header_pattern as compile_pattern
+
+log = logging.getLogger("pier.frontends")
+T = TypeVar("T")
+
+# The API key of the request being decoded, for the server's rate limits (set only when one is on).
+_client_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("pier_client_key", default=None)
+
+
+class NeedsServer(Exception):
+    """This request needs state only the server process holds: relay it whole."""
+
+
+class RateLimited(PierError):
+    def __init__(self, model: str, wait: float, scope: str) -> None:
+        super().__init__(ErrorCode.RATE_LIMITED, limited_message(model, scope, wait))
+        self.model, self.wait, self.scope = model, wait, scope
+
+
+class _InServer:
+    """Shared memory as a frontend sees it: the regions are registered in the server process,
+    so a request that names one is relayed there."""
+
+    def __getattr__(self, name: str) -> Any:
+        def needs_server(*args: Any, **kwargs: Any) -> Any:
+            raise NeedsServer
+        return needs_server
+
+
+class _Traced:
+    on = True  # stamp each request's receive time: the server decides whether it is traced
+
+
+class RemotePlane:
+    """The part of the DataPlane that the HTTP and gRPC inference handlers call, served by the
+    server process over the channel."""
+
+    def __init__(self) -> None:
+        self.channel: ch.Channel | None = None
+        self.exiting = False
+        self.tracer = _Traced()
+        self.shared_memory = _InServer()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[InferenceResponse]] = {}
+
+    def resolve(self, name: str, version: str = "") -> Any:
+        raise NeedsServer
+
+    def describe(self, model: Any, all_versions: bool = False) -> Any:
+        raise NeedsServer
+
+    async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
+                    model: Any = None, protocol: str = "", received_ns: int = 0) -> T:
+        if self.channel is None or self.channel.closed:
+            raise unavailable("the server process is gone")
+        rid = next(self._ids)
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        packer = wire.Packer()
+        self.channel.send([ch.INFER, rid, protocol, received_ns, _client_key.get(),
+                           wire.request_out(request, packer)], packer)
+        try:
+            response = await future
+        except asyncio.CancelledError:
+            if self._pending.pop(rid, None) is not None:
+                self.channel.send([ch.CANCEL, rid])
+            raise
+        return encode(response)
+
+    def answer(self, message: list[Any], mapping: wire.Source) -> None:
+        kind, rid = message[0], message[1]
+        future = self._pending.pop(rid, None)
+        if future is None or future.done():  # cancelled meanwhile
+            return
+        if kind == ch.LIMITED:
+            future.set_exception(RateLimited(message[2], message[3], message[4]))
+            return
+        reply = wire.response_in(message[2], mapping)
+        if isinstance(reply, PierError):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)
+
+    def fail_all(self) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(unavailable("the server process is gone"))
+        self._pending.clear()
+
+
+def _infer_only(middleware: Any, relay: Any) -> Any:
+    """A middleware applied to the requests this process serves; relayed ones meet it in the server."""
+
+    @web.middleware
+    async def only(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.match_info.handler is relay:
+            return await handler(request)
+        return cast(web.StreamResponse, await middleware(request, handler))
+
+    return only
+
+
+def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> web.Application:
+    keys = ApiKeys(settings.api_keys)
+    limited = bool(settings.rate_limit_model or settings.rate_limit_key)
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        return await proxy(request)
+
+    middlewares: list[Any] = [error_middleware]
+    rules = restrictions.parse(settings.http_restricted_api, "--http-restricted-api")
+    if rules:
+        middlewares.append(_infer_only(restrict_middleware(rules), relay))
+    if keys.enabled:  # keys only: the server applies the rate limits (they count every frontend's requests)
+        middlewares.append(_infer_only(guard_middleware(keys, RateLimiter()), relay))
+    app = web.Application(middlewares=middlewares,
+                          client_max_size=max(settings.http_max_input_size, MAX_BODY_BYTES))
+    as_plane = cast(DataPlane, plane)  # the handlers call only what RemotePlane has
+    close_when_exiting(app, as_plane)
+    h = HttpHandlers(as_plane, cast(Any, None), settings.http_max_input_size,
+                     compile_pattern(settings.http_header_forward_pattern))
+
+    async def infer(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+            return await proxy(request)  # compressed: inflated (within its limit) by the server
+        if limited:
+            _client_key.set(presented_key(request.headers))
+        try:
+            return await h.infer(request)
+        except NeedsServer:
+            return await proxy(request, await request.read())
+        except RateLimited as exc:
+            return limited_response(request.path, exc.model, exc.wait, exc.scope)
+
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
+        app.router.add_post(base + "/infer", infer)
+    app.router.add_route("*", "/{tail:.*}", relay)
+    return app
+
+
+class FrontendServicer(InferenceServicer):
+    """ModelInfer decoded and encoded here; a request that names shared memory is relayed."""
+
+    def __init__(self, plane: RemotePlane, header_pattern: str, limited: bool, forwarder: GrpcForwarder) -> None:
+        super().__init__(cast(DataPlane, plane), cast(Any, None), header_pattern)
+        self._limited = limited
+        self._forwarder = forwarder
+
+    @_translate
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        received = time.perf_counter_ns()
+        if self._limited:
+            _client_key.set(presented_key(dict(context.invocation_metadata() or ())))
+        try:
+            return await self._infer_one(request, received, self._decode(request, context))
+        except NeedsServer:
+            answer = await self._forwarder.unary("/inference.GRPCInferenceService/ModelInfer",
+                                                 request.SerializeToString(), context)
+            return pb.ModelInferResponse.FromString(answer)
+
+
+def add_grpc_services(server: grpc.aio.Server, servicer: FrontendServicer, forwarder: GrpcForwarder) -> None:
+    for service in (pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+                    health_pb2.DESCRIPTOR.services_by_name["Health"]):
+        handlers = {}
+        for m in service.methods:
+            if service.name == "GRPCInferenceService" and m.name == "ModelInfer":
+                handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelInfer, request_deserializer=_lenient(pb.ModelInferRequest.FromString),
+                    response_serializer=pb.ModelInferResponse.SerializeToString)
+            else:
+                handlers[m.name] = forwarder.handler(f"/{service.full_name}/{m.name}", m.client_streaming,
+                                                     m.server_streaming)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+class Frontend:
+    def __init__(self, sock: socket.socket, index: int) -> None:
+        self.index = index
+        self.plane = RemotePlane()
+        self._sock = sock
+        self._settings: asyncio.Future[tuple[Settings, dict[str, str]]] | None = None
+        self._stop = asyncio.Event()
+        self._log: dict[str, Any] | None = None
+
+    def _message(self, message: list[Any], mapping: wire.Source) -> None:
+        kind = message[0]
+        if kind in (ch.REPLY, ch.LIMITED):
+            self.plane.answer(message, mapping)
+        elif kind == ch.EXITING:
+            self.plane.exiting = True
+        elif kind == ch.STOP:
+            self._stop.set()
+        elif kind == ch.LOG:
+            if self._settings is not None and self._settings.done():  # installed: follow the server's
+                log_settings.update({k: v for k, v in message[1].items() if k != "log_file"})
+            else:
+                self._log = message[1]
+        elif kind == ch.SETTINGS and self._settings is not None and not self._settings.done():
+            self._settings.set_result((pickle.loads(message[1]), message[2]))
+
+    def _closed(self) -> None:
+        self.plane.fail_all()
+        self._stop.set()
+        if self._settings is not None and not self._settings.done():
+            self._settings.set_exception(ConnectionError("the server closed the channel"))
+
+    async def run(self) -> int:
+        self._settings = asyncio.get_running_loop().create_future()
+        channel = self.plane.channel = ch.Channel(self._sock, self._message, self._closed)
+        settings, paths = await self._settings
+        log_settings.install(log_settings.LogSettings(
+            log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
+            log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
+        quiet_client_mistakes()
+        if self._log is not None:
+            log_settings.update({k: v for k, v in self._log.items() if k != "log_file"})
+        runner = proxy = forwarder = server = None
+        try:
+            if settings.allow_http:
+                proxy = HttpProxy(paths["http"])
+                await proxy.start()
+                # auto_decompress off: a compressed body goes to the server as it came (it inflates
+                # it only up to --http-max-input-size: a gzip bomb must not inflate here).
+                runner = web.AppRunner(build_http_app(self.plane, settings, proxy), access_log=None,
+                                       handle_signals=False, handler_cancellation=True, auto_decompress=False)
+                await runner.setup()
+                await web.TCPSite(runner, settings.http_address, settings.http_port, reuse_address=True,
+                                  reuse_port=True).start()
+            if settings.allow_grpc:
+                forwarder = GrpcForwarder(paths["grpc"], settings.grpc_max_message_size)
+                server = grpc_server(settings.grpc_max_message_size, settings.grpc_options, True,
+                                     restrictions.parse(settings.grpc_restricted_protocol,
+                                                        "--grpc-restricted-protocol"),
+                                     ApiKeys(settings.api_keys))
+                limited = bool(settings.rate_limit_model or settings.rate_limit_key)
+                add_grpc_services(server, FrontendServicer(self.plane, settings.grpc_header_forward_pattern, limited,
+                                                           forwarder), forwarder)
+                try:
+                    await bind_and_start(server, f"{_host(settings.grpc_address)}:{settings.grpc_port}",
+                                         settings.grpc_ssl)
+                except RuntimeError as exc:
+                    raise OSError(f"cannot bind gRPC to {settings.grpc_address}:{settings.grpc_port}: {exc}") from exc
+        except (OSError, PierError) as exc:
+            channel.send([ch.FAILED, str(exc)])
+            await asyncio.sleep(0.1)  # let the message go before the channel closes
+            return 1
+        channel.send([ch.READY])
+        await self._stop.wait()
+        # The server has drained: finish what is still open here, then close.
+        if server is not None:
+            await server.stop(grace=1.0)
+        if runner is not None:
+            await runner.cleanup()
+        for part in (proxy, forwarder):
+            if part is not None:
+                await part.close()
+        channel.close()
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    fd, index = int(argv[1]), int(argv[2])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sock = socket.socket(fileno=fd)
+    return asyncio.run(Frontend(sock, index).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
