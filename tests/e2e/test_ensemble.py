@@ -276,7 +276,9 @@ def test_embed_on_the_openai_embeddings_api(pipeline: PierProcess, reference: np
     default = client.embeddings.create(model="embed", input=SENTENCES)  # the SDK asks for base64
     floats = client.embeddings.create(model="embed", input=SENTENCES, encoding_format="float")
     got = np.array([d.embedding for d in default.data])
-    assert np.array_equal(got, np.array([d.embedding for d in floats.data]))
+    # each input is its own request, so the batcher may group the two calls differently (a batch
+    # pads to its longest text): equal to float32 rounding, not bit for bit
+    np.testing.assert_allclose(got, np.array([d.embedding for d in floats.data]), rtol=0, atol=1e-6)
     assert [d.index for d in default.data] == list(range(len(SENTENCES)))
     assert ((got * reference).sum(1)).min() > 0.999
     short = client.embeddings.create(model="embed", input="A man is eating food.", dimensions=64,
