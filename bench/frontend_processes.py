@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import report, text_embedding
 from bench.common import ROOT, Settings, log, temp_dir
 from bench.measure import perf_analyzer_point, timed_loop
-from bench.servers import Server, Servers, measure, start_pier, triton_reference_starter
+from bench.servers import Server, Servers, measure, round_order, start_pier, triton_reference_starter
 from bench.tools import perf_analyzer_required
 
 PIER, TRITON = "Pier, one process", "Triton 2.51"
@@ -56,8 +56,7 @@ def _identity(settings: Settings, pa: Path, servers: Servers, tmp: Path, notes: 
     notes += servers.left_out_notes()
     for rnd in range(settings.rounds):
         for group, proto in ((http, "http"), (grpc, "grpc")):
-            names = [s for s in group.servers if up.get(s) is not None]
-            names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order per round
+            names = round_order(group.servers, up, rnd)
             for c in CONCURRENCY:
                 for name in names:
                     srv = up[name]

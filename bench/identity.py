@@ -16,6 +16,7 @@ from bench.servers import (
     Servers,
     copy_without_queue_delay,
     measure,
+    round_order,
     start_bare_grpc,
     start_bare_http,
     start_pier,
@@ -54,8 +55,7 @@ def run(settings: Settings) -> Path:
         notes += servers.left_out_notes()
         for rnd in range(settings.rounds):
             for group, proto in ((http, "http"), (grpc, "grpc")):
-                names = [s for s in group.servers if up.get(s) is not None]
-                names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order per round
+                names = round_order(group.servers, up, rnd)
                 for c in CONCURRENCY:
                     for name in names:
                         srv = up[name]

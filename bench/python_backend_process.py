@@ -26,7 +26,7 @@ import numpy as np
 from bench import report
 from bench.common import Settings, log, temp_dir
 from bench.measure import Point, perf_analyzer_point
-from bench.servers import Server, Servers, measure, start_pier, triton_reference_starter
+from bench.servers import Server, Servers, measure, round_order, start_pier, triton_reference_starter
 from bench.tools import perf_analyzer
 
 PROCESS, IN_PROCESS, TRITON = "Pier, process", "Pier, in-process", "Triton 2.51"
@@ -140,8 +140,7 @@ def run(settings: Settings) -> Path:
         notes += servers.left_out_notes()
         for rnd in range(settings.rounds):
             for group, proto, elements in points:
-                names = [s for s in group.servers if up.get(s) is not None]
-                names = names[rnd % len(names):] + names[: rnd % len(names)]  # rotate the order per round
+                names = round_order(group.servers, up, rnd)
                 for c in CONCURRENCY:
                     for name in names:
                         srv = up[name]

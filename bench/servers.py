@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -295,6 +295,14 @@ class Servers(contextlib.ExitStack):
         self.callback(_stop_logged, server)
         log(f"{label} ready in {time.monotonic() - t0:.1f} s (http {server.http}, grpc {server.grpc})")
         return server
+
+
+def round_order(names: Sequence[str], up: Mapping[str, Server | None], rnd: int) -> list[str]:
+    """The started servers among `names` in round `rnd`'s order: rotated by one each round, so each
+    goes first in turn (interleaved rounds)."""
+    started = [s for s in names if up.get(s) is not None]
+    k = rnd % len(started) if started else 0
+    return started[k:] + started[:k]
 
 
 MAX_RESTARTS = 3
