@@ -101,8 +101,10 @@ class PierServer:
         if s.allow_grpc:
             address = f"unix:{paths['grpc']}" if fronted else f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
+                # the client-facing options (keepalive, pings) are the frontends'; not for the Unix socket
                 self._grpc = await start_grpc_server(self.plane, self.control, address, s.grpc_max_message_size,
-                                                     s.grpc_options, s.reuse_grpc_port and not fronted,
+                                                     () if fronted else s.grpc_options,
+                                                     s.reuse_grpc_port and not fronted,
                                                      None if fronted else s.grpc_ssl,
                                                      restrictions.parse(s.grpc_restricted_protocol,
                                                                         "--grpc-restricted-protocol"),

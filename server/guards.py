@@ -146,6 +146,15 @@ class RateLimiter:
                     return wait, scope
         return None
 
+    def refund(self, model: str, key: str | None) -> None:
+        """Give back what `admit` took for a request that will be admitted again elsewhere (a
+        frontend process relays it whole to the server, whose own check counts it)."""
+        with self._lock:
+            for bucket_key in [("model", model)] + ([("key", key)] if key is not None else []):
+                bucket = self._buckets.get(bucket_key)
+                if bucket is not None:
+                    bucket.tokens = min(bucket.rate.burst, bucket.tokens + 1)
+
     def prometheus(self) -> str:
         from pier.contract.prometheus import family
 

@@ -161,11 +161,22 @@ def _rights(fd: int) -> list[tuple[int, int, bytes]]:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
 
 
+def encode(message: list[Any]) -> bytes:
+    """A message's msgpack bytes, for `send_encoded` (raises TypeError or msgspec.EncodeError for
+    what a message cannot carry)."""
+    return _encoder.encode(message)
+
+
 def send(sock: socket.socket, message: list[Any], packer: Packer | None = None, flags: int = 0,
          arena: Arena | None = None) -> None:
     """Send one message (raises OSError when the peer is gone). With `arena`, large tensors go
     there (see Arena), else into a memfd of this message's own."""
-    header = _encoder.encode(message)
+    send_encoded(sock, _encoder.encode(message), packer, flags, arena)
+
+
+def send_encoded(sock: socket.socket, header: bytes, packer: Packer | None = None, flags: int = 0,
+                 arena: Arena | None = None) -> None:
+    """`send` for a message `encode` made already."""
     if (packer is None or not packer.arrays) and len(header) <= MAX_MESSAGE:
         sock.sendmsg([header], (), flags)
         return

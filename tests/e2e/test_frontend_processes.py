@@ -181,6 +181,56 @@ def test_rate_limits_count_every_frontends_requests(tmp_path: Path) -> None:
         assert s.stop() == 0
 
 
+def test_a_rate_limit_meets_a_request_before_its_body_and_counts_it_once(tmp_path: Path) -> None:
+    """The frontend asks the server's limiter before it reads the body (a throttled client's body,
+    malformed or not, gets 429, as with one process), and a request it relays whole after all
+    (its input is in shared memory, which the server holds) is counted once, not twice."""
+    import tritonclient.utils.shared_memory as shm
+
+    s = start_pier([EXAMPLE_REPO], "--frontend-processes=2", "--rate-limit-model=identity_fp32=0.01:4",
+                   log_path=tmp_path / "pier.log")
+    key = f"/pier_test_{os.getpid()}_limits"
+    handle = shm.create_shared_memory_region(key, key, 16)
+    try:
+        client = httpclient.InferenceServerClient(s.http_url)
+        client.register_system_shared_memory("in", key, 16)
+        shm.set_shared_memory_region(handle, [np.arange(4, dtype=np.float32).reshape(1, 4)])
+        inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_shared_memory("in", 16)
+        for _ in range(4):  # the burst: each relayed request takes one token
+            out = client.infer("identity_fp32", [inp]).as_numpy("OUTPUT0")
+            np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32).reshape(1, 4))
+        r = requests.post(f"{s.base()}/v2/models/identity_fp32/infer", data=b"{not json", timeout=10)
+        assert r.status_code == 429 and "rate limit exceeded for model 'identity_fp32'" in r.text, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        g = grpcclient.InferenceServerClient(s.grpc_url)
+        ginp = grpcclient.InferInput("INPUT0", [1, 1], "FP32")
+        ginp.set_data_from_numpy(np.ones((1, 1), np.float32))
+        with pytest.raises(Exception, match="rate limit exceeded"):
+            g.infer("identity_fp32", [ginp])
+        client.unregister_system_shared_memory("in")
+    finally:
+        shm.destroy_shared_memory_region(handle)
+        assert s.stop() == 0
+
+
+def test_a_port_another_reuseport_server_holds_is_refused(tmp_path: Path) -> None:
+    """The frontends bind with SO_REUSEPORT; a second server on the same ports must not join the
+    first one's (the kernel would split the clients between them): it fails as one process would."""
+    first = start_pier([EXAMPLE_REPO], "--frontend-processes=1", log_path=tmp_path / "first.log")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
+                               "--frontend-processes=1", "--http-address=127.0.0.1", f"--http-port={first.http_port}",
+                               "--grpc-address=127.0.0.1", f"--grpc-port={free_port()}",
+                               "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert f"cannot bind HTTP to 127.0.0.1:{first.http_port}" in proc.stderr, proc.stderr[-2000:]
+        assert _infer_once(first.base()) == 200
+    finally:
+        assert first.stop() == 0
+
+
 def test_a_port_in_use_fails_the_start_with_its_reason(tmp_path: Path) -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -8,13 +8,15 @@ read by the loop itself (`add_reader`): no thread between a request and its sche
 
 Messages (msgpack lists, the first item their kind):
 
-    frontend -> server   INFER rid protocol received_ns client_key request
+    frontend -> server   ADMIT rid model client_key       (the rate limits, before the body is read)
+                         INFER rid protocol received_ns request
+                         REFUND model client_key          (admitted, then relayed: the server admits it)
                          CANCEL rid                       (its client went away)
                          READY                            (both ports bound)
                          FAILED message                   (it could not start)
     server -> frontend   SETTINGS pickled-Settings socket-paths
+                         ADMITTED rid None|[wait, scope] (None: go on; else a rate limit refused it)
                          REPLY rid response|error
-                         LIMITED rid wait scope           (a rate limit refused it)
                          EXITING                          (the server drains: Connection: close)
                          STOP                             (close the ports and exit)
                          LOG settings                     (the logging extension changed them)
@@ -33,8 +35,8 @@ from pier.contract import wire
 
 log = logging.getLogger("pier.frontends")
 
-INFER, CANCEL, READY, FAILED = 1, 2, 3, 4
-SETTINGS, REPLY, LIMITED, EXITING, STOP, LOG = 11, 12, 13, 14, 15, 16
+INFER, CANCEL, READY, FAILED, ADMIT, REFUND = 1, 2, 3, 4, 5, 6
+SETTINGS, REPLY, ADMITTED, EXITING, STOP, LOG = 11, 12, 13, 14, 15, 16
 
 OnMessage = Callable[[list[Any], wire.Source], None]
 
@@ -50,7 +52,7 @@ class Channel:
         self._on_message = on_message
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        self._backlog: collections.deque[tuple[list[Any], wire.Packer | None]] = collections.deque()
+        self._backlog: collections.deque[tuple[bytes, wire.Packer | None]] = collections.deque()
         self.closed = False
         self._loop.add_reader(sock.fileno(), self._readable)
 
@@ -73,30 +75,35 @@ class Channel:
 
     def send(self, message: list[Any], packer: wire.Packer | None = None) -> None:
         """Send now, or after the messages before it when the socket's buffer is full; a closed
-        channel drops it (its peer is gone, so is whatever would read it)."""
+        channel drops it (its peer is gone, so is whatever would read it). Raises what the message
+        cannot carry (TypeError, msgspec.EncodeError) and an OSError other than the peer's going
+        away, so that the caller can answer with an error instead."""
         if self.closed:
             return
+        header = wire.encode(message)
         if not self._backlog:
             try:
-                wire.send(self.sock, message, packer)
+                wire.send_encoded(self.sock, header, packer)
                 return
             except (BlockingIOError, InterruptedError):
                 self._loop.add_writer(self.sock.fileno(), self._writable)
-            except OSError:
+            except (BrokenPipeError, ConnectionResetError):
                 self.close()
                 return
-        self._backlog.append((message, packer))
+        self._backlog.append((header, packer))
 
     def _writable(self) -> None:
         while self._backlog:
-            message, packer = self._backlog[0]
+            header, packer = self._backlog[0]
             try:
-                wire.send(self.sock, message, packer)
+                wire.send_encoded(self.sock, header, packer)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except (BrokenPipeError, ConnectionResetError):
                 self.close()
                 return
+            except OSError as exc:  # this message only (a memfd the kernel would not give, say)
+                log.error("frontend channel: a message could not be sent: %s", exc)
             self._backlog.popleft()
         self._loop.remove_writer(self.sock.fileno())
 

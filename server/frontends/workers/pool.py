@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,28 @@ log = logging.getLogger("pier.frontends")
 
 START_TIMEOUT_S = 60.0
 RESTARTS, RESTART_WINDOW_S = 10, 60.0  # a frontend that dies more often than this stays down
+
+
+def check_ports_free(settings: Settings) -> None:
+    """Raise OSError when the HTTP or gRPC port is taken. The frontends bind with SO_REUSEPORT, so
+    a port that another process of this user holds the same way (a second `pier serve
+    --frontend-processes` on it, say) would bind again and the kernel would split the clients
+    between the two servers; a probe without SO_REUSEPORT refuses it as one process would. Not
+    with --reuse-http-port / --reuse-grpc-port: sharing the port is asked for then."""
+    ports = []
+    if settings.allow_http and not settings.reuse_http_port:
+        ports.append(("HTTP", settings.http_address, settings.http_port))
+    if settings.allow_grpc and not settings.reuse_grpc_port:
+        ports.append(("gRPC", settings.grpc_address, settings.grpc_port))
+    for what, address, port in ports:
+        family, kind, proto, _, where = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the frontends bind: TIME_WAIT is free
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot bind {what} to {address}:{port}: {exc.strerror}") from None
 
 
 def _same(response: InferenceResponse) -> InferenceResponse:
@@ -68,6 +91,7 @@ class FrontendPool:
 
     async def start(self) -> None:
         """Start every frontend; raises OSError with the first one's reason when any cannot bind."""
+        check_ports_free(self.settings)
         await asyncio.gather(*(self._start(i) for i in range(self.count)))
 
     async def _start(self, index: int) -> None:
@@ -97,7 +121,14 @@ class FrontendPool:
 
     def _message(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
         kind = message[0]
-        if kind == ch.INFER:
+        if kind == ch.ADMIT:  # at once, in arrival order: the buckets are the server's
+            _, rid, model, key = message
+            refused = self._limiter.admit(model, key) if self._limiter.enabled else None
+            assert frontend.channel is not None
+            frontend.channel.send([ch.ADMITTED, rid, None if refused is None else list(refused)])
+        elif kind == ch.REFUND:
+            self._limiter.refund(message[1], message[2])
+        elif kind == ch.INFER:
             rid = message[1]
             frontend.tasks[rid] = asyncio.ensure_future(self._serve(frontend, message, mapping))
         elif kind == ch.CANCEL:
@@ -112,30 +143,36 @@ class FrontendPool:
                 frontend.started.set_exception(OSError(message[1]))
 
     async def _serve(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
-        _, rid, protocol, received_ns, key, wired = message
+        _, rid, protocol, received_ns, wired = message
         packer: wire.Packer | None = None
         try:
-            _, request, _ = wire.request_in(wired, mapping)
-            refused = self._limiter.admit(request.model_name, key) if self._limiter.enabled else None
-            if refused is not None:
-                reply: list[Any] = [ch.LIMITED, rid, request.model_name, refused[0], refused[1]]
-            else:
+            try:
+                _, request, _ = wire.request_in(wired, mapping)
                 response = await self._plane.serve(request, _same, None, protocol, received_ns)
                 packer = wire.Packer()
-                reply = [ch.REPLY, rid, wire.response_out(response, packer)]
-        except asyncio.CancelledError:  # the frontend's client went away
-            reply = []
-            raise
-        except PierError as exc:
-            reply = [ch.REPLY, rid, wire.error_out(exc)]
-        except Exception as exc:
-            log.exception("a request from frontend process %d failed", frontend.index)
-            reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL,
-                                                             f"internal error: {type(exc).__name__}: {exc}"))]
+                reply: list[Any] = [ch.REPLY, rid, wire.response_out(response, packer)]
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # CANCEL: the frontend's client went away
+                    raise
+                # a backend's own cancellation of this request: the client gets an answer
+                reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL, "the request was cancelled"))]
+            except PierError as exc:
+                reply = [ch.REPLY, rid, wire.error_out(exc)]
+            except Exception as exc:
+                reply = [ch.REPLY, rid, self._internal(frontend, exc)]
+            if frontend.channel is not None:
+                try:
+                    frontend.channel.send(reply, packer)
+                except Exception as exc:  # what the answer holds cannot travel: say so instead
+                    frontend.channel.send([ch.REPLY, rid, self._internal(frontend, exc)])
         finally:
             frontend.tasks.pop(rid, None)
-        if frontend.channel is not None:
-            frontend.channel.send(reply, packer)
+
+    @staticmethod
+    def _internal(frontend: _Frontend, exc: BaseException) -> list[Any]:
+        log.error("a request from frontend process %d failed", frontend.index, exc_info=exc)
+        return wire.error_out(PierError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
 
     def _closed(self, frontend: _Frontend) -> None:
         for task in frontend.tasks.values():
@@ -172,18 +209,21 @@ class FrontendPool:
         self._exiting = True
         self._broadcast([ch.EXITING])
 
-    async def stop(self, timeout: float = 10.0) -> None:
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Tell every frontend to stop (each finishes what it has open) and wait for all of them;
+        one still running after `timeout` is killed."""
         self._stopping = True
         self._broadcast([ch.STOP])
-        loop = asyncio.get_running_loop()
-        for f in list(self._frontends.values()):
-            try:
-                await asyncio.wait_for(loop.run_in_executor(None, f.proc.wait), timeout)
-            except asyncio.TimeoutError:
-                log.warning("frontend process %d (pid %d) did not stop: killing it", f.index, f.proc.pid)
-                f.proc.kill()
-                await loop.run_in_executor(None, f.proc.wait)
-            if f.channel is not None:
-                f.channel.close()
+        await asyncio.gather(*(self._stop_one(f, timeout) for f in list(self._frontends.values())))
         self._frontends.clear()
 
+    async def _stop_one(self, frontend: _Frontend, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, frontend.proc.wait), timeout)
+        except asyncio.TimeoutError:
+            log.warning("frontend process %d (pid %d) did not stop: killing it", frontend.index, frontend.proc.pid)
+            frontend.proc.kill()
+            await loop.run_in_executor(None, frontend.proc.wait)
+        if frontend.channel is not None:
+            frontend.channel.close()

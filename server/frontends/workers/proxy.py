@@ -38,8 +38,10 @@ class HttpProxy:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # limit=0: as many upstream connections as clients (a stream holds one for its whole life)
+        # limit=0: as many upstream connections as clients (a stream holds one for its whole life);
+        # no cookie jar: one session relays every client's requests, a cookie must not pass between them
         self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self._path, limit=0),
+                                              cookie_jar=aiohttp.DummyCookieJar(),
                                               auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None),
                                               skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
 
@@ -61,6 +63,10 @@ class HttpProxy:
         async with self._session.request(request.method, url, headers=headers, data=data,
                                          allow_redirects=False, compress=None) as upstream:
             out = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_SKIP)
+            if request.method == "HEAD":  # no body to count: the length is the server's for GET
+                if "Content-Length" in upstream.headers:
+                    out["Content-Length"] = upstream.headers["Content-Length"]
+                return web.Response(status=upstream.status, reason=upstream.reason, headers=out)
             if upstream.content_length is not None and "text/event-stream" not in upstream.content_type:
                 return web.Response(status=upstream.status, reason=upstream.reason, body=await upstream.read(),
                                     headers=out)
@@ -135,6 +141,8 @@ class GrpcForwarder:
             finally:
                 if pump is not None:
                     pump.cancel()
+                    # its error (the client's stream broke) is the call's: retrieved, not logged as lost
+                    pump.add_done_callback(lambda t: t.cancelled() or t.exception())
                 call.cancel()
 
         if client_streaming and server_streaming:

@@ -15,7 +15,6 @@ server tells it to, or when the channel closes (the server is gone).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import logging
 import os
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import grpc
+import msgspec
 from aiohttp import web
 
 from pier import log_settings, restrictions
@@ -61,18 +61,8 @@ from pier.validation import header_pattern as compile_pattern
 log = logging.getLogger("pier.frontends")
 T = TypeVar("T")
 
-# The API key of the request being decoded, for the server's rate limits (set only when one is on).
-_client_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("pier_client_key", default=None)
-
-
 class NeedsServer(Exception):
     """This request needs state only the server process holds: relay it whole."""
-
-
-class RateLimited(PierError):
-    def __init__(self, model: str, wait: float, scope: str) -> None:
-        super().__init__(ErrorCode.RATE_LIMITED, limited_message(model, scope, wait))
-        self.model, self.wait, self.scope = model, wait, scope
 
 
 class _InServer:
@@ -99,7 +89,7 @@ class RemotePlane:
         self.tracer = _Traced()
         self.shared_memory = _InServer()
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[InferenceResponse]] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
 
     def resolve(self, name: str, version: str = "") -> Any:
         raise NeedsServer
@@ -107,22 +97,46 @@ class RemotePlane:
     def describe(self, model: Any, all_versions: bool = False) -> Any:
         raise NeedsServer
 
-    async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
-                    model: Any = None, protocol: str = "", received_ns: int = 0) -> T:
+    async def _ask(self, message: list[Any], packer: wire.Packer | None = None) -> Any:
+        """Send `message` (its second item the request id) and wait for the server's answer to it;
+        a cancelled wait tells the server (CANCEL), which cancels what it started."""
         if self.channel is None or self.channel.closed:
             raise unavailable("the server process is gone")
-        rid = next(self._ids)
-        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        rid = message[1]
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        packer = wire.Packer()
-        self.channel.send([ch.INFER, rid, protocol, received_ns, _client_key.get(),
-                           wire.request_out(request, packer)], packer)
         try:
-            response = await future
+            self.channel.send(message, packer)
+        except (TypeError, msgspec.EncodeError) as exc:  # a BYTES element that is neither bytes nor str
+            self._pending.pop(rid, None)
+            raise PierError(ErrorCode.INVALID_ARG, f"cannot send this request to the server: {exc}") from exc
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        try:
+            return await future
         except asyncio.CancelledError:
-            if self._pending.pop(rid, None) is not None:
+            if self._pending.pop(rid, None) is not None and not self.channel.closed:
                 self.channel.send([ch.CANCEL, rid])
             raise
+
+    async def admit(self, model: str, key: str | None) -> tuple[float, str] | None:
+        """The server's rate limits (they count every frontend's requests), asked before this
+        process reads the request's body: None, or (seconds to wait, the limit's scope)."""
+        refused = await self._ask([ch.ADMIT, next(self._ids), model, key])
+        return None if refused is None else (float(refused[0]), str(refused[1]))
+
+    def refund(self, model: str, key: str | None) -> None:
+        """An admitted request goes to the server whole after all, where it is admitted again."""
+        if self.channel is not None:
+            self.channel.send([ch.REFUND, model, key])
+
+    async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
+                    model: Any = None, protocol: str = "", received_ns: int = 0) -> T:
+        packer = wire.Packer()
+        wired = wire.request_out(request, packer)
+        response: InferenceResponse = await self._ask([ch.INFER, next(self._ids), protocol, received_ns, wired],
+                                                      packer)
         return encode(response)
 
     def answer(self, message: list[Any], mapping: wire.Source) -> None:
@@ -130,10 +144,13 @@ class RemotePlane:
         future = self._pending.pop(rid, None)
         if future is None or future.done():  # cancelled meanwhile
             return
-        if kind == ch.LIMITED:
-            future.set_exception(RateLimited(message[2], message[3], message[4]))
+        if kind == ch.ADMITTED:
+            future.set_result(message[2])
             return
-        reply = wire.response_in(message[2], mapping)
+        try:
+            reply = wire.response_in(message[2], mapping)
+        except Exception as exc:  # a reply this process cannot read: its request fails, not the channel
+            reply = PierError(ErrorCode.INTERNAL, f"unreadable answer from the server process: {exc}")
         if isinstance(reply, PierError):
             future.set_exception(reply)
         else:
@@ -181,14 +198,17 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
     async def infer(request: web.Request) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
             return await proxy(request)  # compressed: inflated (within its limit) by the server
-        if limited:
-            _client_key.set(presented_key(request.headers))
+        model, key = request.match_info["model"], presented_key(request.headers)
+        if limited:  # before the body is read, as with one process
+            refused = await plane.admit(model, key)
+            if refused is not None:
+                return limited_response(request.path, model, *refused)
         try:
             return await h.infer(request)
         except NeedsServer:
+            if limited:
+                plane.refund(model, key)
             return await proxy(request, await request.read())
-        except RateLimited as exc:
-            return limited_response(request.path, exc.model, exc.wait, exc.scope)
 
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
         app.router.add_post(base + "/infer", infer)
@@ -201,17 +221,23 @@ class FrontendServicer(InferenceServicer):
 
     def __init__(self, plane: RemotePlane, header_pattern: str, limited: bool, forwarder: GrpcForwarder) -> None:
         super().__init__(cast(DataPlane, plane), cast(Any, None), header_pattern)
+        self._remote = plane
         self._limited = limited
         self._forwarder = forwarder
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         received = time.perf_counter_ns()
+        key = presented_key(dict(context.invocation_metadata() or ())) if self._limited else None
         if self._limited:
-            _client_key.set(presented_key(dict(context.invocation_metadata() or ())))
+            refused = await self._remote.admit(request.model_name, key)
+            if refused is not None:
+                raise PierError(ErrorCode.RATE_LIMITED, limited_message(request.model_name, refused[1], refused[0]))
         try:
             return await self._infer_one(request, received, self._decode(request, context))
         except NeedsServer:
+            if self._limited:
+                self._remote.refund(request.model_name, key)
             answer = await self._forwarder.unary("/inference.GRPCInferenceService/ModelInfer",
                                                  request.SerializeToString(), context)
             return pb.ModelInferResponse.FromString(answer)
@@ -244,18 +270,19 @@ class Frontend:
         self._sock = sock
         self._settings: asyncio.Future[tuple[Settings, dict[str, str]]] | None = None
         self._stop = asyncio.Event()
-        self._log: dict[str, Any] | None = None
+        self._log: dict[str, Any] | None = None  # the server's log settings, until ours are installed
+        self._log_installed = False
 
     def _message(self, message: list[Any], mapping: wire.Source) -> None:
         kind = message[0]
-        if kind in (ch.REPLY, ch.LIMITED):
+        if kind in (ch.REPLY, ch.ADMITTED):
             self.plane.answer(message, mapping)
         elif kind == ch.EXITING:
             self.plane.exiting = True
         elif kind == ch.STOP:
             self._stop.set()
         elif kind == ch.LOG:
-            if self._settings is not None and self._settings.done():  # installed: follow the server's
+            if self._log_installed:  # follow the server's
                 log_settings.update({k: v for k, v in message[1].items() if k != "log_file"})
             else:
                 self._log = message[1]
@@ -278,6 +305,7 @@ class Frontend:
         quiet_client_mistakes()
         if self._log is not None:
             log_settings.update({k: v for k, v in self._log.items() if k != "log_file"})
+        self._log_installed = True
         runner = proxy = forwarder = server = None
         try:
             if settings.allow_http:
