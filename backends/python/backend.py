@@ -19,7 +19,8 @@ server-wide default is `--backend-config=python,execution-mode=...`, itself `pro
 Either way a model that raises, returns errors or wrong counts fails only its own requests, and
 `execute` may be `async def` (each instance keeps its own event loop for it).
 `auto_complete_config` runs in the server process (it must before any instance exists), and only
-for a model.py that defines one: other models are not imported by the server at all.
+for a model.py that may define one (it names it, or takes its class from another module): other
+models are not imported by the server at all.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -246,11 +248,18 @@ class PythonSettings:
         return PythonSettings(mode, limit, window, tuple(ignored))
 
 
-def _defines_auto_complete(model_path: Path) -> bool:
+_OWN_CLASS = re.compile(r"^class\s+TritonPythonModel\b", re.MULTILINE)
+
+
+def _may_auto_complete(model_path: Path) -> bool:
+    """Whether importing model.py may find an `auto_complete_config`: it names one, or it does not
+    define TritonPythonModel itself (it takes the class from another module, as Triton's QA
+    models do with `from python_addsub import *`), so only the import can tell."""
     try:
-        return "auto_complete_config" in model_path.read_text(errors="replace")
+        text = model_path.read_text(errors="replace")
     except OSError:
         return True  # let the import report it
+    return "auto_complete_config" in text or _OWN_CLASS.search(text) is None
 
 
 class PythonBackend(Backend):
@@ -270,7 +279,7 @@ class PythonBackend(Backend):
         """Triton's auto-complete: a model's `auto_complete_config(auto_complete_model_config)`
         static method declares its inputs, outputs, max_batch_size and transaction policy. A
         model.py that does not mention it is not imported (nor run) by the server."""
-        if not _defines_auto_complete(model_path):
+        if not _may_auto_complete(model_path):
             return None
         module = _load_module(model_path, model_path.parent.parent.name)
         cls = getattr(module, "TritonPythonModel", None)

@@ -271,16 +271,20 @@ def test_python_model_load_errors(tmp_path: Path) -> None:
         assert server.stop() == 0
 
 
-def test_auto_complete_config_declares_the_tensors(server: PierProcess) -> None:
+@pytest.mark.parametrize("model", ["auto_add_sub", "auto_add_sub_reexport"])
+def test_auto_complete_config_declares_the_tensors(server: PierProcess, model: str) -> None:
+    """auto_add_sub_reexport's model.py takes its class from another module (as Triton's QA models
+    do): its config is auto-completed all the same."""
     client = httpclient.InferenceServerClient(server.http_url)
-    config = client.get_model_config("auto_add_sub")
+    config = client.get_model_config(model)
     assert config["max_batch_size"] == 8 and "dynamic_batching" in config
     assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"] and config["input"][0]["dims"] == [4]
+    assert [o["name"] for o in config["output"]] == ["OUTPUT0"]
     a = np.array([[1, 2, 3, 4]], np.float32)
     inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(a)
-    assert np.allclose(client.infer("auto_add_sub", inputs).as_numpy("OUTPUT0"), a * a)
+    assert np.allclose(client.infer(model, inputs).as_numpy("OUTPUT0"), a * a)
 
 
 def test_bls_on_a_decoupled_model(server: PierProcess) -> None:
