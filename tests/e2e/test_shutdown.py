@@ -66,3 +66,42 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     assert again.headers.get("Connection") == "close" and late.headers.get("Connection") == "close"
     assert server.proc.wait(60) == 0
     assert "stopped" in server.log()
+
+
+def test_a_stream_request_while_draining_gets_tritons_refusal(tmp_path):
+    """On a gRPC stream, what was sent before SIGTERM finishes; a new request sent while the server
+    drains is refused in Triton's words (its schedulers stop at SIGTERM): a stream has no
+    `Connection: close` to end it after one more answer."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    repo = tmp_path / "repo"
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    (repo / "slow" / "1" / "model.onnx").write_bytes(slow_model())
+    server = start_pier([repo], log_path=tmp_path / "log")
+    got: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def callback(result, error) -> None:
+        got.append(("error", str(error)) if error is not None else ("ok", result.get_response().id))
+        if len(got) == 4:
+            done.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    x = grpcclient.InferInput("X", [1, 256], "FP32")
+    x.set_data_from_numpy(np.ones((1, 256), np.float32))
+    client.start_stream(callback)
+    for i in range(3):  # one runs, two wait: the drain lasts until they are done
+        client.async_stream_infer("slow", [x], request_id=f"before-{i}")
+    time.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    client.async_stream_infer("slow", [x], request_id="late")
+    assert done.wait(60), (got, server.log())
+    client.stop_stream()
+    assert sorted(r for kind, r in got if kind == "ok") == ["before-0", "before-1", "before-2"], got
+    refused = [r for kind, r in got if kind == "error"]
+    assert len(refused) == 1 and "[request id: late] Server is stopping, scheduler for model has stopped " \
+        "accepting new inference requests" in refused[0], got
+    assert server.proc.wait(60) == 0

@@ -109,6 +109,19 @@ def _repository_parameters(params: Any) -> dict[str, Any]:
     return out
 
 
+def _refuse_while_stopping(request: InferenceRequest) -> None:
+    """A stream's new request while the server drains gets Triton's refusal (its schedulers stop
+    taking requests at SIGTERM, all but those of sequences already running): a stream has no
+    `Connection: close` to end it after one more answer, as HTTP does, and Triton's clients (and
+    its QA) read the refusal as the sign to go elsewhere. Unary calls are still served."""
+    sequence = request.parameters.get("sequence_id")
+    if sequence not in (None, 0, "") and request.parameters.get("sequence_start") is not True:
+        return
+    rid = request.id or "<id_unknown>"
+    raise PierError(ErrorCode.UNAVAILABLE, f"[request id: {rid}] Server is stopping, scheduler for model has "
+                    "stopped accepting new inference requests")
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, plane: DataPlane, control: ControlPlane, header_pattern: str = "",
                  limiter: RateLimiter | None = None) -> None:
@@ -221,6 +234,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 try:
                     received = time.perf_counter_ns() if self.plane.tracer.on else 0
                     request = self._decode(req, context)
+                    if self.plane.exiting:
+                        _refuse_while_stopping(request)
                     model = self.plane.resolve(request.model_name, request.model_version)  # once per request
                     decoupled = model.spec.decoupled
                 except PierError as exc:
