@@ -26,13 +26,15 @@ models are not imported by the server at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import json
+import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,18 +250,40 @@ class PythonSettings:
         return PythonSettings(mode, limit, window, tuple(ignored))
 
 
-_OWN_CLASS = re.compile(r"^class\s+TritonPythonModel\b", re.MULTILINE)
+# `class TritonPythonModel:` with no base class (or `(object)`): every method it has is in this file
+_OWN_CLASS = re.compile(r"^class\s+TritonPythonModel\s*(\(\s*(object)?\s*\))?\s*:", re.MULTILINE)
 
 
 def _may_auto_complete(model_path: Path) -> bool:
     """Whether importing model.py may find an `auto_complete_config`: it names one, or it does not
-    define TritonPythonModel itself (it takes the class from another module, as Triton's QA
-    models do with `from python_addsub import *`), so only the import can tell."""
+    define TritonPythonModel itself with no base class (it takes the class, or a base class, from
+    another module, as Triton's QA models do with `from python_addsub import *`), so only the
+    import can tell."""
     try:
         text = model_path.read_text(errors="replace")
     except OSError:
         return True  # let the import report it
     return "auto_complete_config" in text or _OWN_CLASS.search(text) is None
+
+
+@contextlib.contextmanager
+def _imports_forgotten(model_dir: Path) -> Iterator[None]:
+    """The server imports a model.py only to auto-complete its config: afterwards its folder
+    leaves sys.path again and the modules loaded from the model's own folder leave sys.modules,
+    so that another model's sibling of the same name (`impl.py`), or this one's edited for a
+    reload, is imported afresh. Libraries it imported (numpy, torch) stay: they cannot be
+    imported twice."""
+    path = list(sys.path)
+    known = set(sys.modules)
+    root = str(model_dir.resolve())
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - known:
+            where = getattr(sys.modules.get(name), "__file__", None) or ""
+            if where and os.path.realpath(where).startswith(root + os.sep):
+                del sys.modules[name]
 
 
 class PythonBackend(Backend):
@@ -281,16 +305,18 @@ class PythonBackend(Backend):
         model.py that does not mention it is not imported (nor run) by the server."""
         if not _may_auto_complete(model_path):
             return None
-        module = _load_module(model_path, model_path.parent.parent.name)
-        cls = getattr(module, "TritonPythonModel", None)
-        hook = getattr(cls, "auto_complete_config", None)
-        if hook is None:
-            return None
-        config = pb_utils.ModelConfig({"name": model_path.parent.parent.name})
-        try:
-            hook(config)
-        except Exception as exc:
-            raise unavailable(f"auto_complete_config() of {model_path} failed: {type(exc).__name__}: {exc}") from None
+        with _imports_forgotten(model_path.parent.parent):
+            module = _load_module(model_path, model_path.parent.parent.name)
+            cls = getattr(module, "TritonPythonModel", None)
+            hook = getattr(cls, "auto_complete_config", None)
+            if hook is None:
+                return None
+            config = pb_utils.ModelConfig({"name": model_path.parent.parent.name})
+            try:
+                hook(config)
+            except Exception as exc:
+                raise unavailable(f"auto_complete_config() of {model_path} failed: {type(exc).__name__}: "
+                                  f"{exc}") from None
         doc = config.as_dict()
 
         def tensors(kind: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:

@@ -287,6 +287,52 @@ def test_auto_complete_config_declares_the_tensors(server: PierProcess, model: s
     assert np.allclose(client.infer(model, inputs).as_numpy("OUTPUT0"), a * a)
 
 
+SIBLING_IMPL = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WIDTH = {width}
+
+
+class {cls}:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({{"name": "X", "data_type": "TYPE_FP32", "dims": [WIDTH]}})
+        config.add_output({{"name": "Y", "data_type": "TYPE_FP32", "dims": [WIDTH]}})
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * WIDTH)]) for r in requests]
+"""
+
+
+def test_auto_complete_through_sibling_modules_of_the_same_name(tmp_path: Path) -> None:
+    """Two models whose model.py star-imports a sibling `impl.py` (each its own), and one whose
+    class takes auto_complete_config from a base class in a sibling: each gets its own config."""
+    repo = tmp_path / "repo"
+    for name, width in (("sibling_a", 2), ("sibling_b", 3)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text('backend: "python"\n')
+        (repo / name / "1" / "impl.py").write_text(SIBLING_IMPL.format(width=width, cls="TritonPythonModel"))
+        (repo / name / "1" / "model.py").write_text("from impl import *  # noqa: F403\n")
+    (repo / "based" / "1").mkdir(parents=True)
+    (repo / "based" / "config.pbtxt").write_text('backend: "python"\n')
+    (repo / "based" / "1" / "base_impl.py").write_text(SIBLING_IMPL.format(width=4, cls="Base"))
+    (repo / "based" / "1" / "model.py").write_text(
+        "from base_impl import Base\n\n\nclass TritonPythonModel(Base):\n    pass\n")
+    server = start_pier([repo], log_path=tmp_path / "pier.log")
+    try:
+        client = httpclient.InferenceServerClient(server.http_url)
+        for name, width in (("sibling_a", 2), ("sibling_b", 3), ("based", 4)):
+            config = client.get_model_config(name)
+            assert config["input"][0]["dims"] == [width], (name, config["input"])
+            x = httpclient.InferInput("X", [width], "FP32")
+            x.set_data_from_numpy(np.ones(width, np.float32))
+            assert client.infer(name, [x]).as_numpy("Y").tolist() == [float(width)] * width
+    finally:
+        assert server.stop() == 0
+
+
 def test_bls_on_a_decoupled_model(server: PierProcess) -> None:
     client = httpclient.InferenceServerClient(server.http_url)
     inp = httpclient.InferInput("IN", [1], "INT32")

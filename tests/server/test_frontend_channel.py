@@ -128,3 +128,48 @@ def test_a_peer_that_goes_away_closes_the_channel_once() -> None:
         assert sender.closed == 1 and receiver.closed == 1
 
     _run(main())
+
+
+def test_a_queued_message_the_kernel_refuses_reports_to_its_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message that waited in the backlog and then cannot be sent (no memfd to be had, say) is
+    reported to its sender's `on_failure`, so that the request behind it fails instead of waiting
+    forever; the messages after it still go."""
+    import errno
+
+    from pier.frontends.workers import channel as ch
+
+    real = wire.send_encoded
+
+    def refusing(sock: socket.socket, header: bytes, packer: Any = None) -> None:
+        if b"refused" in header:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        real(sock, header, packer)
+
+    async def main() -> None:
+        a, b = wire.channel_pair()
+        sender = _End(a)
+        reader = wire.Receiver(b)
+        filler = b"x" * 60_000
+        sent = 0
+        while not sender.channel._backlog:
+            sender.channel.send([7, sent, filler])
+            sent += 1
+        failures: list[OSError] = []
+        monkeypatch.setattr(ch.wire, "send_encoded", refusing)
+        sender.channel.send([7, "refused"], None, failures.append)
+        sender.channel.send([7, "after"])
+        b.setblocking(False)
+        got: list[Any] = []
+        while not got or got[-1] != "after":
+            await asyncio.sleep(0.001)
+            try:
+                while True:
+                    message, _ = reader.recv()  # type: ignore[misc]
+                    got.append(message[1])
+            except BlockingIOError:
+                pass
+        assert got == [*range(sent), "after"] and len(failures) == 1 and failures[0].errno == errno.ENOMEM
+        sender.channel.close()
+        b.close()
+
+    _run(main())

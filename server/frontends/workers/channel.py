@@ -39,6 +39,7 @@ INFER, CANCEL, READY, FAILED, ADMIT, REFUND = 1, 2, 3, 4, 5, 6
 SETTINGS, REPLY, ADMITTED, EXITING, STOP, LOG = 11, 12, 13, 14, 15, 16
 
 OnMessage = Callable[[list[Any], wire.Source], None]
+OnFailure = Callable[[OSError], None]
 
 
 class Channel:
@@ -52,7 +53,7 @@ class Channel:
         self._on_message = on_message
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        self._backlog: collections.deque[tuple[bytes, wire.Packer | None]] = collections.deque()
+        self._backlog: collections.deque[tuple[bytes, wire.Packer | None, OnFailure | None]] = collections.deque()
         self.closed = False
         self._loop.add_reader(sock.fileno(), self._readable)
 
@@ -73,11 +74,13 @@ class Channel:
             except Exception:  # one bad message must not stop the channel
                 log.exception("frontend channel: a message failed")
 
-    def send(self, message: list[Any], packer: wire.Packer | None = None) -> None:
+    def send(self, message: list[Any], packer: wire.Packer | None = None,
+             on_failure: OnFailure | None = None) -> None:
         """Send now, or after the messages before it when the socket's buffer is full; a closed
         channel drops it (its peer is gone, so is whatever would read it). Raises what the message
         cannot carry (TypeError, msgspec.EncodeError) and an OSError other than the peer's going
-        away, so that the caller can answer with an error instead."""
+        away, so that the caller can answer with an error instead; `on_failure` hears of such an
+        OSError when the message waited in the backlog (its memfd could not be made or passed)."""
         if self.closed:
             return
         header = wire.encode(message)
@@ -90,11 +93,11 @@ class Channel:
             except (BrokenPipeError, ConnectionResetError):
                 self.close()
                 return
-        self._backlog.append((header, packer))
+        self._backlog.append((header, packer, on_failure))
 
     def _writable(self) -> None:
         while self._backlog:
-            header, packer = self._backlog[0]
+            header, packer, on_failure = self._backlog[0]
             try:
                 wire.send_encoded(self.sock, header, packer)
             except (BlockingIOError, InterruptedError):
@@ -103,7 +106,11 @@ class Channel:
                 self.close()
                 return
             except OSError as exc:  # this message only (a memfd the kernel would not give, say)
+                self._backlog.popleft()
                 log.error("frontend channel: a message could not be sent: %s", exc)
+                if on_failure is not None:
+                    on_failure(exc)
+                continue
             self._backlog.popleft()
         self._loop.remove_writer(self.sock.fileno())
 

@@ -47,6 +47,8 @@ def check_ports_free(settings: Settings) -> None:
                                                            flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the frontends bind: TIME_WAIT is free
+            if family == socket.AF_INET6 and what == "HTTP":  # asyncio binds IPv6 only there, as one process does
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 probe.bind(where)
             except OSError as exc:
@@ -64,6 +66,7 @@ class _Frontend:
     channel: ch.Channel | None = None
     started: asyncio.Future[None] | None = None
     tasks: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    cancelled: set[int] = field(default_factory=set)  # CANCELed by the frontend: no answer is wanted
 
 
 class FrontendPool:
@@ -134,6 +137,7 @@ class FrontendPool:
         elif kind == ch.CANCEL:
             task = frontend.tasks.pop(message[1], None)
             if task is not None:
+                frontend.cancelled.add(message[1])
                 task.cancel()
         elif kind == ch.READY:
             if frontend.started is not None and not frontend.started.done():
@@ -152,22 +156,26 @@ class FrontendPool:
                 packer = wire.Packer()
                 reply: list[Any] = [ch.REPLY, rid, wire.response_out(response, packer)]
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():  # CANCEL: the frontend's client went away
-                    raise
+                if rid in frontend.cancelled or frontend.channel is None or frontend.channel.closed:
+                    raise  # CANCEL (the frontend's client went away), or the frontend is gone
                 # a backend's own cancellation of this request: the client gets an answer
                 reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL, "the request was cancelled"))]
             except PierError as exc:
                 reply = [ch.REPLY, rid, wire.error_out(exc)]
             except Exception as exc:
                 reply = [ch.REPLY, rid, self._internal(frontend, exc)]
-            if frontend.channel is not None:
+            channel = frontend.channel
+            if channel is not None:
+                def failed(exc: BaseException) -> None:  # what the answer holds cannot travel: say so instead
+                    channel.send([ch.REPLY, rid, self._internal(frontend, exc)])
+
                 try:
-                    frontend.channel.send(reply, packer)
-                except Exception as exc:  # what the answer holds cannot travel: say so instead
-                    frontend.channel.send([ch.REPLY, rid, self._internal(frontend, exc)])
+                    channel.send(reply, packer, failed)
+                except Exception as exc:
+                    failed(exc)
         finally:
             frontend.tasks.pop(rid, None)
+            frontend.cancelled.discard(rid)
 
     @staticmethod
     def _internal(frontend: _Frontend, exc: BaseException) -> list[Any]:

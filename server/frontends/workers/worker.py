@@ -105,8 +105,13 @@ class RemotePlane:
         rid = message[1]
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
+
+        def failed(exc: OSError) -> None:  # it waited in the backlog and could not be sent
+            if self._pending.pop(rid, None) is not None and not future.done():
+                future.set_exception(PierError(ErrorCode.INTERNAL, f"cannot send the request to the server: {exc}"))
+
         try:
-            self.channel.send(message, packer)
+            self.channel.send(message, packer, failed)
         except (TypeError, msgspec.EncodeError) as exc:  # a BYTES element that is neither bytes nor str
             self._pending.pop(rid, None)
             raise PierError(ErrorCode.INVALID_ARG, f"cannot send this request to the server: {exc}") from exc
