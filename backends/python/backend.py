@@ -46,7 +46,7 @@ from pier.contract.errors import internal, invalid_arg, unavailable
 from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
-_import_lock = threading.Lock()
+_import_lock = threading.RLock()  # models load on several threads; sys.path and sys.modules are shared
 _counter = 0
 
 
@@ -273,17 +273,18 @@ def _imports_forgotten(model_dir: Path) -> Iterator[None]:
     so that another model's sibling of the same name (`impl.py`), or this one's edited for a
     reload, is imported afresh. Libraries it imported (numpy, torch) stay: they cannot be
     imported twice."""
-    path = list(sys.path)
-    known = set(sys.modules)
-    root = str(model_dir.resolve())
-    try:
-        yield
-    finally:
-        sys.path[:] = path
-        for name in set(sys.modules) - known:
-            where = getattr(sys.modules.get(name), "__file__", None) or ""
-            if where and os.path.realpath(where).startswith(root + os.sep):
-                del sys.modules[name]
+    with _import_lock:  # held throughout: another model's import must not see this one's folder
+        path = list(sys.path)
+        known = set(sys.modules)
+        root = str(model_dir.resolve())
+        try:
+            yield
+        finally:
+            sys.path[:] = path
+            for name in set(sys.modules) - known:
+                where = getattr(sys.modules.get(name), "__file__", None) or ""
+                if where and os.path.realpath(where).startswith(root + os.sep):
+                    del sys.modules[name]
 
 
 class PythonBackend(Backend):
