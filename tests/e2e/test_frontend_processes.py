@@ -214,16 +214,21 @@ def test_a_rate_limit_meets_a_request_before_its_body_and_counts_it_once(tmp_pat
         assert s.stop() == 0
 
 
+def _serve_on_http_port(port: int, frontends: int) -> subprocess.CompletedProcess:
+    """`pier serve` with frontend processes on a given HTTP port (expected to fail: it returns)."""
+    return subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
+                           f"--frontend-processes={frontends}", "--http-address=127.0.0.1", f"--http-port={port}",
+                           "--grpc-address=127.0.0.1", f"--grpc-port={free_port()}",
+                           "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}"],
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_a_port_another_reuseport_server_holds_is_refused(tmp_path: Path) -> None:
     """The frontends bind with SO_REUSEPORT; a second server on the same ports must not join the
     first one's (the kernel would split the clients between them): it fails as one process would."""
     first = start_pier([EXAMPLE_REPO], "--frontend-processes=1", log_path=tmp_path / "first.log")
     try:
-        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
-                               "--frontend-processes=1", "--http-address=127.0.0.1", f"--http-port={first.http_port}",
-                               "--grpc-address=127.0.0.1", f"--grpc-port={free_port()}",
-                               "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}"],
-                              capture_output=True, text=True, timeout=60)
+        proc = _serve_on_http_port(first.http_port, frontends=1)
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert f"cannot bind HTTP to 127.0.0.1:{first.http_port}" in proc.stderr, proc.stderr[-2000:]
         assert _infer_once(first.base()) == 200
@@ -238,11 +243,7 @@ def test_a_port_in_use_fails_the_start_with_its_reason(tmp_path: Path) -> None:
     port = taken.getsockname()[1]
     try:
         before = _socket_dirs()
-        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
-                               "--frontend-processes=2", "--http-address=127.0.0.1", f"--http-port={port}",
-                               "--grpc-address=127.0.0.1", f"--grpc-port={free_port()}",
-                               "--metrics-address=127.0.0.1", f"--metrics-port={free_port()}"],
-                              capture_output=True, text=True, timeout=60)
+        proc = _serve_on_http_port(port, frontends=2)
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "failed to start" in proc.stderr and str(port) in proc.stderr, proc.stderr[-2000:]
         assert _socket_dirs() <= before
