@@ -303,7 +303,8 @@ class PythonBackend(Backend):
     def describe(self, model_path: Path) -> ModelSignature | None:
         """Triton's auto-complete: a model's `auto_complete_config(auto_complete_model_config)`
         static method declares its inputs, outputs, max_batch_size and transaction policy. A
-        model.py that does not mention it is not imported (nor run) by the server."""
+        model.py that defines its own TritonPythonModel without naming it is not imported (nor
+        run) by the server (_may_auto_complete)."""
         if not _may_auto_complete(model_path):
             return None
         with _imports_forgotten(model_path.parent.parent):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,36 +43,51 @@ class _End:
             await self.arrived.wait()
 
 
+FILLER = b"x" * 60_000
+
+
+def _fill(channel: Channel) -> int:
+    """Send numbered messages until the socket's buffer is full (the last one waits in the
+    backlog); returns how many were sent."""
+    sent = 0
+    while not channel._backlog:
+        channel.send([7, sent, FILLER])
+        sent += 1
+    return sent
+
+
+async def _read_until(reader: wire.Receiver, got: list[Any], done: Callable[[], bool]) -> None:
+    """Read by hand (the socket non-blocking) while the loop writes the backlog, each message into
+    `got`, until `done()`."""
+    reader.sock.setblocking(False)
+    while not done():
+        await asyncio.sleep(0.001)
+        try:
+            while True:
+                message, _ = reader.recv()  # type: ignore[misc]
+                got.append(message)
+        except BlockingIOError:
+            pass
+
+
 def test_a_full_buffer_keeps_every_message_whole_and_in_order() -> None:
     async def main() -> None:
         a, b = wire.channel_pair()
         sender = _End(a)
         reader = wire.Receiver(b)  # read by hand, so the test decides when the buffer has room
-        filler = b"x" * 60_000
-        sent = 0
-        while not sender.channel._backlog:  # until the socket's buffer is full
-            sender.channel.send([7, sent, filler])
-            sent += 1
+        sent = _fill(sender.channel)
         for _ in range(20):  # after the backlog: still queued
-            sender.channel.send([7, sent, filler])
+            sender.channel.send([7, sent, FILLER])
             sent += 1
-        got = []
+        got: list[Any] = []
         for _ in range(3):  # room in the buffer again, the backlog not yet written
             message, _ = reader.recv()  # type: ignore[misc]
-            got.append(message[1])
-        sender.channel.send([7, sent, filler])  # must wait behind the backlog, not jump it
+            got.append(message)
+        sender.channel.send([7, sent, FILLER])  # must wait behind the backlog, not jump it
         sent += 1
-        b.setblocking(False)
-        while len(got) < sent:
-            await asyncio.sleep(0.001)  # the loop writes the backlog as the buffer drains
-            try:
-                while True:
-                    message, _ = reader.recv()  # type: ignore[misc]
-                    assert message[2] == filler
-                    got.append(message[1])
-            except BlockingIOError:
-                pass
-        assert got == list(range(sent)) and not sender.channel._backlog
+        await _read_until(reader, got, lambda: len(got) >= sent)
+        assert all(m[2] == FILLER for m in got)
+        assert [m[1] for m in got] == list(range(sent)) and not sender.channel._backlog
         sender.channel.close()
         b.close()
 
@@ -149,26 +165,15 @@ def test_a_queued_message_the_kernel_refuses_reports_to_its_sender(monkeypatch: 
         a, b = wire.channel_pair()
         sender = _End(a)
         reader = wire.Receiver(b)
-        filler = b"x" * 60_000
-        sent = 0
-        while not sender.channel._backlog:
-            sender.channel.send([7, sent, filler])
-            sent += 1
+        sent = _fill(sender.channel)
         failures: list[OSError] = []
         monkeypatch.setattr(ch.wire, "send_encoded", refusing)
         sender.channel.send([7, "refused"], None, failures.append)
         sender.channel.send([7, "after"])
-        b.setblocking(False)
         got: list[Any] = []
-        while not got or got[-1] != "after":
-            await asyncio.sleep(0.001)
-            try:
-                while True:
-                    message, _ = reader.recv()  # type: ignore[misc]
-                    got.append(message[1])
-            except BlockingIOError:
-                pass
-        assert got == [*range(sent), "after"] and len(failures) == 1 and failures[0].errno == errno.ENOMEM
+        await _read_until(reader, got, lambda: bool(got) and got[-1][1] == "after")
+        assert [m[1] for m in got] == [*range(sent), "after"]
+        assert len(failures) == 1 and failures[0].errno == errno.ENOMEM
         sender.channel.close()
         b.close()
 

@@ -109,6 +109,11 @@ def _repository_parameters(params: Any) -> dict[str, Any]:
     return out
 
 
+def rate_limited(model: str, refused: tuple[float, str]) -> PierError:
+    """The gRPC error for a request a rate limit refused ((seconds to wait, the limit's scope))."""
+    return PierError(ErrorCode.RATE_LIMITED, limited_message(model, refused[1], refused[0]))
+
+
 def _refuse_while_stopping(request: InferenceRequest) -> None:
     """A stream's new request while the server drains gets Triton's refusal (its schedulers stop
     taking requests at SIGTERM, all but those of sequences already running): a stream has no
@@ -136,7 +141,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             key = presented_key(dict(context.invocation_metadata() or ()))
             refused = self.limiter.admit(request.model_name, key)
             if refused is not None:
-                raise PierError(ErrorCode.RATE_LIMITED, limited_message(request.model_name, refused[1], refused[0]))
+                raise rate_limited(request.model_name, refused)
         decoded = codec.decode_request(request, self.plane.shared_memory)
         if self.header_pattern is not None:
             forward_headers(self.header_pattern, context.invocation_metadata() or (), decoded.parameters)

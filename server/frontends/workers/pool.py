@@ -66,7 +66,6 @@ class _Frontend:
     channel: ch.Channel | None = None
     started: asyncio.Future[None] | None = None
     tasks: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
-    cancelled: set[int] = field(default_factory=set)  # CANCELed by the frontend: no answer is wanted
 
 
 class FrontendPool:
@@ -137,7 +136,6 @@ class FrontendPool:
         elif kind == ch.CANCEL:
             task = frontend.tasks.pop(message[1], None)
             if task is not None:
-                frontend.cancelled.add(message[1])
                 task.cancel()
         elif kind == ch.READY:
             if frontend.started is not None and not frontend.started.done():
@@ -156,8 +154,8 @@ class FrontendPool:
                 packer = wire.Packer()
                 reply: list[Any] = [ch.REPLY, rid, wire.response_out(response, packer)]
             except asyncio.CancelledError:
-                if rid in frontend.cancelled or frontend.channel is None or frontend.channel.closed:
-                    raise  # CANCEL (the frontend's client went away), or the frontend is gone
+                if rid not in frontend.tasks:  # CANCEL (its client went away) or the frontend is gone: no answer
+                    raise
                 # a backend's own cancellation of this request: the client gets an answer
                 reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL, "the request was cancelled"))]
             except PierError as exc:
@@ -175,7 +173,6 @@ class FrontendPool:
                     failed(exc)
         finally:
             frontend.tasks.pop(rid, None)
-            frontend.cancelled.discard(rid)
 
     @staticmethod
     def _internal(frontend: _Frontend, exc: BaseException) -> list[Any]:

@@ -41,6 +41,7 @@ from pier.frontends.grpc.servicer import (
     _translate,
     bind_and_start,
     grpc_server,
+    rate_limited,
 )
 from pier.frontends.http.app import MAX_BODY_BYTES, HttpHandlers, close_when_exiting
 from pier.frontends.http.middleware import (
@@ -52,7 +53,7 @@ from pier.frontends.http.middleware import (
 )
 from pier.frontends.workers import channel as ch
 from pier.frontends.workers.proxy import GrpcForwarder, HttpProxy
-from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
+from pier.guards import ApiKeys, RateLimiter, presented_key
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import health_pb2
 from pier.settings import Settings
@@ -203,7 +204,7 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
     async def infer(request: web.Request) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
             return await proxy(request)  # compressed: inflated (within its limit) by the server
-        model, key = request.match_info["model"], presented_key(request.headers)
+        model, key = request.match_info["model"], presented_key(request.headers) if limited else None
         if limited:  # before the body is read, as with one process
             refused = await plane.admit(model, key)
             if refused is not None:
@@ -237,7 +238,7 @@ class FrontendServicer(InferenceServicer):
         if self._limited:
             refused = await self._remote.admit(request.model_name, key)
             if refused is not None:
-                raise PierError(ErrorCode.RATE_LIMITED, limited_message(request.model_name, refused[1], refused[0]))
+                raise rate_limited(request.model_name, refused)
         try:
             return await self._infer_one(request, received, self._decode(request, context))
         except NeedsServer:
