@@ -13,22 +13,23 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pier import guards, log_settings, restrictions
-from pier.control_plane import ControlPlane
-from pier.data_plane import DataPlane
+from pier.control.manager import RepositoryManager
+from pier.control.plane import ControlPlane
+from pier.control.watcher import RepositoryWatcher
+from pier.dataplane.plane import DataPlane
+from pier.dataplane.response_cache import ResponseCache
+from pier.dataplane.services import PlaneServices
+from pier.frontends import guards, restrictions
 from pier.frontends.grpc.servicer import start_grpc_server
 from pier.frontends.http.app import build_app
 from pier.frontends.http.middleware import quiet_client_mistakes
+from pier.frontends.metrics import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from pier.frontends.workers.pool import FrontendPool
 from pier.lifecycle.lifecycle import ModelLifecycle
-from pier.metrics.registry import CONTENT_TYPE, MetricsConfig, MetricsRenderer
-from pier.repository.manager import RepositoryManager
-from pier.repository.watcher import RepositoryWatcher
-from pier.response_cache import ResponseCache
-from pier.routing import RoutingTable
-from pier.services import PlaneServices
+from pier.lifecycle.routing import RoutingTable
+from pier.observability import log_settings
+from pier.observability.tracing import Tracer, parse_trace_config
 from pier.settings import Settings
-from pier.tracing import Tracer, parse_trace_config
 
 log = logging.getLogger("pier")
 

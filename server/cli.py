@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pier import __version__
 from pier.settings import SERVER_NAME, GrpcSsl, Settings
-from pier.validation import header_pattern
+from pier.tensors.validation import header_pattern
 
 
 def _bool(value: str) -> bool:
@@ -160,7 +160,7 @@ IGNORED_FLAGS = (
 
 
 def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:
-    from pier import guards
+    from pier.frontends import guards
 
     try:
         keys = guards.parse_keys(args.api_key, args.api_key_file)
@@ -196,7 +196,7 @@ def _backend_config(values: list[str], parser: argparse.ArgumentParser) -> tuple
     takes settings (python: execution-mode, ...) are handed to it now, and an unknown key or a bad
     value is an error naming it; the rest (other backends', and global ones without a backend)
     have no effect here and are returned for the startup warning."""
-    from pier import backend_registry
+    from pier.repository import backend_registry
 
     by_backend: dict[str, dict[str, str]] = {}
     for raw in values:
@@ -237,19 +237,19 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error("--load-model requires --model-control-mode=explicit")
     if "*" in args.load_model and len(args.load_model) > 1:
         parser.error("--load-model=* must be the only --load-model")
-    from pier.metrics.registry import MetricsConfig
+    from pier.frontends.metrics import MetricsConfig
 
     try:
         MetricsConfig.parse(args.metrics_config)
     except ValueError as exc:
         parser.error(str(exc))
-    from pier.tracing import parse_trace_config
+    from pier.observability.tracing import parse_trace_config
 
     try:
         parse_trace_config(args.trace_config)
     except ValueError as exc:
         parser.error(str(exc))
-    from pier import restrictions
+    from pier.frontends import restrictions
 
     for flag_name, specs in (("--http-restricted-api", args.http_restricted_api),
                              ("--grpc-restricted-protocol", args.grpc_restricted_protocol)):
@@ -263,7 +263,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             header_pattern(pattern)
         except ValueError as exc:
             parser.error(f"{flag_name}: {exc}")
-    from pier.response_cache import parse_cache_config
+    from pier.dataplane.response_cache import parse_cache_config
 
     try:
         cache_bytes = parse_cache_config(args.cache_config)

@@ -51,7 +51,7 @@ class Settings:
     grpc_ssl: GrpcSsl | None = None
     grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 settings, as grpc channel args
     response_cache_bytes: int = 0  # --cache-config local,size=: 0 = no response cache
-    http_restricted_api: tuple[str, ...] = ()  # "CATEGORIES:KEY=VALUE" items (server/restrictions.py)
+    http_restricted_api: tuple[str, ...] = ()  # "CATEGORIES:KEY=VALUE" items (server/frontends/restrictions.py)
     grpc_restricted_protocol: tuple[str, ...] = ()
     http_header_forward_pattern: str = ""  # headers whose names match become request parameters
     grpc_header_forward_pattern: str = ""  # the same for gRPC metadata

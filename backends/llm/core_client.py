@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from pier.contract.processes import exit_cause
+from pier.ipc.processes import exit_cause
 
 from . import engine_core as core
 from .async_engine import EngineClient, EngineDeadError, EngineFacts

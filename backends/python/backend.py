@@ -295,7 +295,7 @@ class PythonBackend(Backend):
         self.settings = PythonSettings()
 
     def configure(self, settings: dict[str, str]) -> tuple[str, ...]:
-        """`--backend-config=python,...` (server/backend_registry.py): raises ValueError for an
+        """`--backend-config=python,...` (server/repository/backend_registry.py): raises ValueError for an
         unknown key or a bad value; returns the keys given that have no effect here."""
         self.settings = PythonSettings.parse(settings)
         return self.settings.ignored

@@ -3,7 +3,7 @@ side. `ProcessInstance` is the ModelInstance the scheduler sees; the model runs 
 (`python -m pier.backends.python.stub`, backends/python/stub.py) that one supervisor thread per
 instance starts, watches and restarts.
 
-- Channels (server/contract/wire.py): two SOCK_SEQPACKET socketpairs the child inherits. `exec`
+- Channels (server/ipc/channel.py): two SOCK_SEQPACKET socketpairs the child inherits. `exec`
   carries init / exec / finalize and their answers: the scheduler's worker thread sends a batch
   and reads its result itself (one execute at a time per instance, no thread hop). `aux`
   carries what crosses while a model runs (responses sent through response senders, BLS
@@ -45,11 +45,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pier.contract import wire
 from pier.contract.backend import InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
-from pier.contract.processes import exit_cause
 from pier.contract.types import ExecuteResult, InferenceRequest
+from pier.ipc import channel as wire
+from pier.ipc.processes import exit_cause
 
 log = logging.getLogger("pier.backends.python")
 

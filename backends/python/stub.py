@@ -1,6 +1,6 @@
 """The stub process of one Python model instance (Triton's `triton_python_backend_stub`): it
 loads model.py with the same PythonInstance the in-process mode uses, so pb_utils behaves the
-same, and talks to the server over two channels it inherits (server/contract/wire.py):
+same, and talks to the server over two channels it inherits (server/ipc/channel.py):
 
 - exec: the server sends `init`, then `exec` (a batch of requests) and `finalize`, one at a time;
   this process's main thread answers each (`ready` / `init_error`, `result`, `finalized`);
@@ -39,10 +39,10 @@ from typing import Any, NoReturn
 from pier.backends.python import triton_python_backend_utils as pb_utils
 from pier.backends.python.backend import PythonInstance
 from pier.backends.python.bls import BlsClient
-from pier.contract import wire
 from pier.contract.backend import InstanceContext, ModelContext
 from pier.contract.errors import PierError, internal
 from pier.contract.types import ExecuteResult, InferenceRequest, InferenceResponse, Outputs
+from pier.ipc import channel as wire
 
 _PR_SET_PDEATHSIG = 1
 Reply = tuple[list[Any], wire.Source]

@@ -1,5 +1,5 @@
 """Prometheus text exposition format (version 0.0.4), the pieces Pier's exporters share: the
-server's nv_* families (pier.metrics.registry), the LLM backend's vllm:* families and the python
+server's nv_* families (pier.frontends.metrics), the LLM backend's vllm:* families and the python
 backend's custom metrics (pb_utils.MetricFamily).
 
 Labels are given either as a mapping, rendered here with its values escaped, or as text

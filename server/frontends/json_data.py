@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from pier.contract.errors import invalid_arg
-from pier.datatypes import JSON_UNSUPPORTED, element_count, numpy_dtype, to_bytes_element
+from pier.tensors.datatypes import JSON_UNSUPPORTED, element_count, numpy_dtype, to_bytes_element
 
 # numpy kinds a JSON array may hold for each target kind (b=bool, i/u=int, f=float): as Triton,
 # true/false are not numbers and numbers are not booleans.

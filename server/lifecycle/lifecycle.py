@@ -1,9 +1,9 @@
 """The per-version life cycle: load -> warm up -> READY -> drain -> retire, as Triton's model
 lifecycle. A new version loads and warms while what serves keeps serving; the switch is atomic;
 a version that stops taking traffic finishes its in-flight requests, then unloads. Every change
-publishes the model's routing snapshot (pier.routing), which is all that requests read.
+publishes the model's routing snapshot (pier.lifecycle.routing), which is all that requests read.
 
-The repository manager decides what should serve (pier.repository.manager); this module makes
+The repository manager decides what should serve (pier.control.manager); this module makes
 it so, and owns the rollout weights."""
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from pier import backend_registry
 from pier.contract.backend import ServerServices
 from pier.contract.errors import PierError, invalid_arg, not_found
 from pier.contract.types import ModelSpec
 from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
+from pier.lifecycle.routing import Route, RoutingTable
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
+from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
-from pier.repository import source
+from pier.repository import backend_registry, source
 from pier.repository.disk import ModelOnDisk
-from pier.routing import Route, RoutingTable
 from pier.scheduling.ensemble import EnsemblePlan, EnsembleScheduler, build_plan
-from pier.statistics import ModelStatistics
 
 log = logging.getLogger("pier.repository")
 

@@ -12,6 +12,7 @@ from typing import Any
 from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
 from pier.contract.errors import unavailable
 from pier.contract.types import ModelSpec
+from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.spec import config_to_json
 from pier.scheduling.base import Scheduler
@@ -19,7 +20,6 @@ from pier.scheduling.direct import DirectScheduler
 from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.scheduling.ragged import BatchLayout
 from pier.scheduling.sequence_batcher import SequenceBatcher
-from pier.statistics import ModelStatistics
 
 _load_ids = itertools.count(1)
 

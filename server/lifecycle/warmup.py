@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pier import datatypes
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, ModelSpec, Tensor
+from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.batch import merge
 from pier.scheduling.ragged import BatchLayout
-from pier.statistics import ModelStatistics
-from pier.validation import validate_request
+from pier.tensors import datatypes
+from pier.tensors.validation import validate_request
 
 
 def _tensor(name: str, spec_input: mc.ModelWarmup.Input, shape: list[int], model_dir: Path,

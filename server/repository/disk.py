@@ -11,11 +11,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from pier import backend_registry
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import ModelSignature, ModelSpec
 from pier.protocol import model_config_pb2 as mc
-from pier.repository import model_config, source
+from pier.repository import backend_registry, model_config, source
 from pier.repository.spec import build_spec
 from pier.repository.version_policy import select_versions
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from google.protobuf import json_format, text_format
 
-from pier import backend_registry
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import (
     ModelSignature,
 )
-from pier.datatypes import datatype_to_config
 from pier.protocol import model_config_pb2 as mc
+from pier.repository import backend_registry
+from pier.tensors.datatypes import datatype_to_config
 
 ModelConfig = mc.ModelConfig
 Describe = Callable[[backend_registry.BackendEntry, Path], ModelSignature | None]

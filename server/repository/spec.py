@@ -13,13 +13,13 @@ import numpy as np
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from pier.classification import read_labels
 from pier.contract.errors import invalid_arg
 from pier.contract.policies import BatchingPolicy, Control, QueuePolicy, SequencePolicy, StateSpec
 from pier.contract.types import BatchInputSpec, BatchOutputSpec, InstanceGroupSpec, ModelSpec, TensorSpec
-from pier.datatypes import config_to_datatype, from_raw, numpy_dtype
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.model_config import control_kind, flag_fields
+from pier.tensors.classification import read_labels
+from pier.tensors.datatypes import config_to_datatype, from_raw, numpy_dtype
 
 
 def build_spec(config: mc.ModelConfig, model_dir: Path | None = None) -> ModelSpec:

@@ -10,11 +10,11 @@ import time
 from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, internal
 from pier.contract.types import ExecuteResult
+from pier.observability.statistics import ModelStatistics
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult
 from pier.scheduling.ragged import BatchLayout
-from pier.statistics import ModelStatistics
 
 
 class DirectScheduler(Scheduler):

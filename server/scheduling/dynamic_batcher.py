@@ -26,12 +26,12 @@ from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
 from pier.contract.policies import BatchingPolicy, QueuePolicy
 from pier.contract.types import ExecuteResult
+from pier.observability.statistics import ModelStatistics
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import CompatKey, compat_key, merge, split
 from pier.scheduling.instance_pool import InstancePool, JobResult
 from pier.scheduling.ragged import BatchLayout
-from pier.statistics import ModelStatistics
-from pier.validation import request_prefix
+from pier.tensors.validation import request_prefix
 
 
 @dataclass(slots=True, eq=False)

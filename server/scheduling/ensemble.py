@@ -24,9 +24,9 @@ from pier.contract.types import (
     ResponseSink,
     Tensor,
 )
+from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
 from pier.scheduling.base import Scheduler, WorkItem
-from pier.statistics import ModelStatistics
 
 Infer = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
 Stream = Callable[[InferenceRequest], AsyncIterator[InferenceResponse | PierError]]

@@ -26,7 +26,7 @@ import numpy as np
 
 from pier.contract.errors import PierError, internal, invalid_arg
 from pier.contract.types import BatchInputSpec, InferenceRequest, ModelSpec, Tensor
-from pier.validation import request_prefix
+from pier.tensors.validation import request_prefix
 
 _NUMPY = {"INT32": np.int32, "FP32": np.float32}
 

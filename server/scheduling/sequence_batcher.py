@@ -32,8 +32,8 @@ import numpy as np
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.contract.policies import SequencePolicy
 from pier.contract.types import ExecuteResult, InferenceRequest, Outputs, RequestedOutput, Tensor
-from pier.datatypes import numpy_dtype
 from pier.scheduling.base import Scheduler, WorkItem
+from pier.tensors.datatypes import numpy_dtype
 
 CorrelationId = int | str
 

@@ -15,10 +15,10 @@ import pytest
 
 from pier.backends.python.backend import BACKEND, PythonSettings
 from pier.backends.python.process import ProcessInstance, default_launch
-from pier.contract import wire
 from pier.contract.backend import InstanceContext, ModelContext
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InstanceGroupSpec, ModelSpec, Outputs, Tensor, TensorSpec
+from pier.ipc import channel as wire
 
 MODEL = '''
 import os, threading, time

@@ -138,7 +138,7 @@ def test_optional_forward_argument_may_be_left_out(tmp_path):
 @pytest.mark.parametrize("datatype", ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64",
                                       "FP16", "FP32", "FP64", "BF16"])
 def test_datatypes_round_trip(tmp_path, datatype):
-    from pier.datatypes import numpy_dtype
+    from pier.tensors.datatypes import numpy_dtype
 
     model = _model(tmp_path, Identity(), [("INPUT__0", datatype)], [("OUTPUT__0", datatype)])
     data = (np.arange(12).reshape(3, 4) % 2 == 1) if datatype == "BOOL" else np.arange(12).reshape(3, 4)

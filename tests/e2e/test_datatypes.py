@@ -117,7 +117,7 @@ def test_grpc_typed_contents(pier, datatype):
     with grpc.insecure_channel(pier.grpc_url) as channel:
         resp = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req)
     assert list(resp.outputs[0].shape) == list(data.shape)
-    from pier.datatypes import from_raw
+    from pier.tensors.datatypes import from_raw
 
     got = from_raw(resp.raw_output_contents[0], datatype, list(data.shape), "OUTPUT0")
     _check(got, data, datatype)

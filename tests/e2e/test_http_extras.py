@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import requests
 
-from pier.datatypes import serialize_bytes
+from pier.tensors.datatypes import serialize_bytes
 
 
 def test_raw_binary_request(pier):

@@ -11,11 +11,29 @@ PATH = re.compile(r"`((?:server|backends|tests|bench|scripts|protos|docs|docker)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
+# Any code span that names a file (a known extension) or a folder (a trailing slash).
+ANY_PATH = re.compile(r"`([\w./<>-]*\.(?:py|pyi|md|sh|toml|json|cpp|h|proto|pbtxt|yaml)|[\w./<>-]+/)`")
+
+
 def test_architecture_names_only_paths_that_exist() -> None:
     text = (ROOT / "docs" / "architecture.md").read_text()
     paths = PATH.findall(text)
     assert len(paths) > 40  # the page is a map, not a sketch
     missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_every_path_the_architecture_page_names_exists() -> None:
+    """Also the short names (`stub.py`, `openai/`): each is the end of some path in the
+    repository (placeholders such as `<name>/` aside)."""
+    files = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+             if ".git" not in p.parts and ".venv" not in p.parts and "build" not in p.parts]
+    known = set(files) | {f + "/" for f in files}
+    outside = {"tritonbackend.h", "build/"}  # Triton's header, named for comparison; make's output
+    names = [n for n in ANY_PATH.findall((ROOT / "docs" / "architecture.md").read_text())
+             if "<" not in n and n not in outside]
+    assert len(names) > 80
+    missing = [n for n in names if n.lstrip("./") not in known and not any(k.endswith("/" + n) for k in known)]
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
 
 

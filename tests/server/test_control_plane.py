@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pier.control_plane import ControlPlane
+from pier.control.plane import ControlPlane
 
 
 class SlowManager:

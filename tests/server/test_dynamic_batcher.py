@@ -15,9 +15,9 @@ from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
 from pier.contract.policies import BatchingPolicy, QueuePolicy
 from pier.contract.types import InferenceRequest, Outputs, Tensor
+from pier.observability.statistics import ModelStatistics
 from pier.scheduling.base import WorkItem
 from pier.scheduling.dynamic_batcher import DynamicBatcher
-from pier.statistics import ModelStatistics
 
 
 class Recorder(ModelInstance):

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pier.contract import wire
 from pier.contract.types import Tensor
 from pier.frontends.workers.channel import Channel
+from pier.ipc import channel as wire
 
 
 def _run(coro: Any) -> Any:

@@ -14,7 +14,7 @@ from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
 from pier.repository import spec as spec_of
 from pier.repository.version_policy import select_versions
-from pier.validation import check_parameters, validate_request
+from pier.tensors.validation import check_parameters, validate_request
 
 GOOD = """
 name: "m"
@@ -209,7 +209,7 @@ def test_config_json_that_is_not_a_model_config_says_so():
 def test_forwarded_headers_never_set_what_the_server_interprets():
     """--http/grpc-header-forward-pattern: a header named priority / timeout / sequence_* would reach
     the schedulers as a string (a TypeError in the dynamic batcher); only the model's own names pass."""
-    from pier.validation import forward_headers, header_pattern
+    from pier.tensors.validation import forward_headers, header_pattern
 
     params: dict = {"mine": 1}
     headers = [("priority", "1"), ("Timeout", "5"), ("sequence_end", "false"), ("Triton_x", "y"),

@@ -15,6 +15,7 @@ from pier.contract.backend import ModelInstance
 from pier.contract.errors import PierError
 from pier.contract.policies import BatchingPolicy
 from pier.contract.types import BatchInputSpec, InferenceRequest, Outputs, RequestedOutput, Tensor
+from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import model_config
 from pier.repository import spec as spec_of
@@ -23,8 +24,7 @@ from pier.scheduling.batch import compat_key, merge, split
 from pier.scheduling.direct import DirectScheduler
 from pier.scheduling.dynamic_batcher import DynamicBatcher
 from pier.scheduling.ragged import BatchLayout, ScatterOutput, batch_input_value
-from pier.statistics import ModelStatistics
-from pier.validation import validate_request
+from pier.tensors.validation import validate_request
 
 SUM_INDEX = BatchInputSpec("BATCH_ACCUMULATED_ELEMENT_COUNT", ("INDEX",), "FP32", ("INPUT",))
 LAYOUT = BatchLayout(

@@ -20,16 +20,16 @@ import orjson
 from aiohttp import web
 
 from pier.contract.backend import ServerServices
-from pier.control_plane import ControlPlane
-from pier.data_plane import DataPlane
+from pier.control.manager import RepositoryManager
+from pier.control.plane import ControlPlane
+from pier.dataplane.plane import DataPlane
 from pier.frontends.grpc.servicer import start_grpc_server
 from pier.frontends.http.app import build_app
 from pier.lifecycle.lifecycle import ModelLifecycle
+from pier.lifecycle.routing import Route, RoutingTable
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.repository import disk
-from pier.repository.manager import RepositoryManager
-from pier.routing import Route, RoutingTable
 from scripts.build_example_models import identity_model, write_model
 from tests.conftest import free_port
 

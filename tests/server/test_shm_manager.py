@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from pier.contract.errors import ErrorCode, PierError
+from pier.dataplane.shared_memory import Placement, SystemSharedMemory
 from pier.frontends.grpc import codec
 from pier.protocol import grpc_service_pb2 as pb
-from pier.shared_memory import Placement, SystemSharedMemory
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ import numpy as np
 
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.datatypes import RawInputs, check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
-from pier.protocol import grpc_service_pb2 as pb
-from pier.shared_memory import (
+from pier.dataplane.shared_memory import (
     SystemSharedMemory,
     check_output,
     read_input,
@@ -20,7 +18,9 @@ from pier.shared_memory import (
     without_placement,
     write_output,
 )
-from pier.validation import check_parameters
+from pier.protocol import grpc_service_pb2 as pb
+from pier.tensors.datatypes import RawInputs, check_dims, element_count, from_raw, is_datatype, numpy_dtype, to_raw
+from pier.tensors.validation import check_parameters
 
 # datatype -> InferTensorContents field
 _CONTENTS = {

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from pier.guards import ApiKeys, presented_key
+from pier.frontends.guards import ApiKeys, presented_key
 
 _OPEN = frozenset({"ServerLive", "ServerReady", "Check", "Watch"})  # inference.* health and grpc.health.v1
 

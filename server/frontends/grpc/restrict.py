@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from pier.restrictions import Rules
+from pier.frontends.restrictions import Rules
 
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 

@@ -15,23 +15,25 @@ from google.protobuf import json_format, message_factory
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 
-from pier import log_settings, restrictions, shared_memory
 from pier.contract.errors import ErrorCode, PierError, internal, printable, unsupported
 from pier.contract.types import InferenceRequest
-from pier.control_plane import ControlPlane
-from pier.data_plane import DataPlane
+from pier.control.plane import ControlPlane
+from pier.dataplane import shared_memory
+from pier.dataplane.plane import DataPlane
+from pier.frontends import restrictions
 from pier.frontends.grpc import codec
 from pier.frontends.grpc.errors import grpc_code
 from pier.frontends.grpc.guard import GrpcApiKeys
 from pier.frontends.grpc.restrict import GrpcRestrictions
-from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
+from pier.frontends.guards import ApiKeys, RateLimiter, limited_message, presented_key
 from pier.lifecycle.loaded_model import LoadedModel
+from pier.observability import log_settings
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.protocol import health_pb2, health_pb2_grpc
 from pier.settings import GrpcSsl
-from pier.validation import forward_headers
-from pier.validation import header_pattern as compile_pattern
+from pier.tensors.validation import forward_headers
+from pier.tensors.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.grpc")
 

@@ -10,17 +10,19 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from pier import log_settings, restrictions, shared_memory
 from pier.contract.errors import ErrorCode, PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse
-from pier.control_plane import ControlPlane
-from pier.data_plane import DataPlane
+from pier.control.plane import ControlPlane
+from pier.dataplane import shared_memory
+from pier.dataplane.plane import DataPlane
+from pier.frontends import restrictions
+from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.frontends.http import codec, generate, openai
 from pier.frontends.http.middleware import error_middleware, guard_middleware, restrict_middleware
-from pier.guards import ApiKeys, RateLimiter
 from pier.lifecycle.loaded_model import LoadedModel
-from pier.validation import HeaderPattern, forward_headers
-from pier.validation import header_pattern as compile_pattern
+from pier.observability import log_settings
+from pier.tensors.validation import HeaderPattern, forward_headers
+from pier.tensors.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

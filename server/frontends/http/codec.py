@@ -16,9 +16,7 @@ from aiohttp import web
 
 from pier.contract.errors import ErrorCode, PierError, internal, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.datatypes import RawInputs, check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
-from pier.frontends.json_data import array_from_json, array_to_json
-from pier.shared_memory import (
+from pier.dataplane.shared_memory import (
     SystemSharedMemory,
     check_output,
     read_input,
@@ -26,7 +24,9 @@ from pier.shared_memory import (
     without_placement,
     write_output,
 )
-from pier.validation import check_parameters
+from pier.frontends.json_data import array_from_json, array_to_json
+from pier.tensors.datatypes import RawInputs, check_dims, element_size, fill_variable_dim, from_raw, is_datatype, to_raw
+from pier.tensors.validation import check_parameters
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _JSON_OPTS = orjson.OPT_SERIALIZE_NUMPY

@@ -13,8 +13,8 @@ import numpy as np
 
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse, Tensor
-from pier.datatypes import fill_variable_dim, numpy_dtype
-from pier.validation import check_parameters
+from pier.tensors.datatypes import fill_variable_dim, numpy_dtype
+from pier.tensors.validation import check_parameters
 
 
 def check_duplicate_inputs(raw: bytes, metadata: dict[str, Any]) -> None:

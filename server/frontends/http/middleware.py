@@ -11,9 +11,9 @@ import orjson
 from aiohttp import web
 
 from pier.contract.errors import PierError
+from pier.frontends.guards import ApiKeys, RateLimiter, limited_message, presented_key
 from pier.frontends.http.errors import error_response, from_error
-from pier.guards import ApiKeys, RateLimiter, limited_message, presented_key
-from pier.restrictions import Rules
+from pier.frontends.restrictions import Rules
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -1,7 +1,7 @@
 """The channel between the server process and one frontend process, on the event loops of both.
 
 One `socketpair(AF_UNIX, SOCK_SEQPACKET)` per frontend, the same transport and message layout as
-the Python backend's stubs (`pier.contract.wire`): each send is one whole message, tensors over
+the Python backend's stubs (`pier.ipc.channel`): each send is one whole message, tensors over
 64 KiB travel in a memfd the receiver maps (the core's backends read the frontend's tensors in
 place, the frontend encodes the outputs from the core's pages). Both ends are non-blocking and
 read by the loop itself (`add_reader`): no thread between a request and its scheduler.
@@ -31,7 +31,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from pier.contract import wire
+from pier.ipc import channel as wire
 
 log = logging.getLogger("pier.frontends")
 

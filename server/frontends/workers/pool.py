@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pier import log_settings
-from pier.contract import wire
 from pier.contract.errors import ErrorCode, PierError
-from pier.contract.processes import exit_cause
 from pier.contract.types import InferenceResponse
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
+from pier.frontends.guards import RateLimiter
 from pier.frontends.workers import channel as ch
-from pier.guards import RateLimiter
+from pier.ipc import channel as wire
+from pier.ipc.processes import exit_cause
+from pier.observability import log_settings
 from pier.settings import Settings
 
 log = logging.getLogger("pier.frontends")

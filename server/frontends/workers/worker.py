@@ -30,11 +30,10 @@ import grpc
 import msgspec
 from aiohttp import web
 
-from pier import log_settings, restrictions
-from pier.contract import wire
 from pier.contract.errors import ErrorCode, PierError, unavailable
 from pier.contract.types import InferenceRequest, InferenceResponse
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
+from pier.frontends import restrictions
 from pier.frontends.grpc.servicer import (
     InferenceServicer,
     _lenient,
@@ -43,6 +42,7 @@ from pier.frontends.grpc.servicer import (
     grpc_server,
     rate_limited,
 )
+from pier.frontends.guards import ApiKeys, RateLimiter, presented_key
 from pier.frontends.http.app import MAX_BODY_BYTES, HttpHandlers, close_when_exiting
 from pier.frontends.http.middleware import (
     error_middleware,
@@ -53,11 +53,12 @@ from pier.frontends.http.middleware import (
 )
 from pier.frontends.workers import channel as ch
 from pier.frontends.workers.proxy import GrpcForwarder, HttpProxy
-from pier.guards import ApiKeys, RateLimiter, presented_key
+from pier.ipc import channel as wire
+from pier.observability import log_settings
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import health_pb2
 from pier.settings import Settings
-from pier.validation import header_pattern as compile_pattern
+from pier.tensors.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.frontends")
 T = TypeVar("T")

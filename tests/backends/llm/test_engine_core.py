@@ -14,7 +14,7 @@ from pier.backends.llm import core_client
 from pier.backends.llm.async_engine import EngineDeadError
 from pier.backends.llm.core_client import EngineCoreClient
 from pier.backends.llm.sampling_params import SamplingParams
-from pier.contract.processes import exit_cause
+from pier.ipc.processes import exit_cause
 
 PARAMS = {"kv_cache_memory_bytes": str(4 << 20)}
 

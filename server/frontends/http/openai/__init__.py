@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
 from pier.frontends.http.openai.service import OpenAIHandlers
 
 

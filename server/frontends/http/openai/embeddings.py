@@ -22,7 +22,7 @@ import numpy as np
 
 from pier.contract import llm
 from pier.contract.types import InferenceRequest, RequestedOutput, Tensor
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
 from pier.frontends.http.openai.llm_io import bool_tensor, bytes_tensor, one_response
 from pier.frontends.http.openai.protocol import BadRequest
 

@@ -13,7 +13,7 @@ import numpy as np
 from pier.contract import llm
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
 
 Delta = dict[str, Any]
 """One response of one sequence: {index, text, finish_reason, stop_reason, prompt_tokens,

@@ -16,7 +16,7 @@ import pier.frontends.http.openai.tools as tools
 from pier import __version__
 from pier.contract import llm
 from pier.contract.errors import PierError
-from pier.data_plane import DataPlane
+from pier.dataplane.plane import DataPlane
 from pier.frontends.http.openai.chat import CHAT
 from pier.frontends.http.openai.choices import Deltas, close, merge, whole
 from pier.frontends.http.openai.completions import COMPLETIONS

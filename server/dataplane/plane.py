@@ -9,20 +9,20 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from pier import __version__
-from pier.classification import class_count, classify
 from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
 from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, Outputs, RequestedOutput, Tensor
+from pier.dataplane.response_cache import ResponseCache
+from pier.dataplane.shared_memory import SystemSharedMemory
 from pier.lifecycle.loaded_model import LoadedModel
+from pier.lifecycle.routing import RoutingTable
+from pier.observability.tracing import Trace, Tracer
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.source import is_version
 from pier.repository.spec import config_to_json
-from pier.response_cache import ResponseCache
-from pier.routing import RoutingTable
 from pier.scheduling.base import WorkItem
 from pier.settings import SERVER_NAME
-from pier.shared_memory import SystemSharedMemory
-from pier.tracing import Trace, Tracer
-from pier.validation import to_api_outputs, validate_request
+from pier.tensors.classification import class_count, classify
+from pier.tensors.validation import to_api_outputs, validate_request
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pier.contract.types import InferenceRequest, Tensor
-from pier.datatypes import to_raw
+from pier.tensors.datatypes import to_raw
 
 _Entry = tuple[list[Tensor], int]
 

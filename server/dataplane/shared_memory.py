@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from pier.classification import class_count
 from pier.contract.errors import ErrorCode, PierError, invalid_arg, not_found, unsupported
 from pier.contract.types import Tensor
-from pier.datatypes import from_raw, to_raw
+from pier.tensors.classification import class_count
+from pier.tensors.datatypes import from_raw, to_raw
 
 SHM_DIR = "/dev/shm"
 PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")

@@ -11,7 +11,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from pier.repository.manager import RepositoryManager
+from pier.control.manager import RepositoryManager
 
 log = logging.getLogger("pier.watcher")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import prometheus_client
 
 from pier.contract.prometheus import family, histogram
+from pier.dataplane.response_cache import ResponseCache
 from pier.lifecycle.loaded_model import LoadedModel
-from pier.response_cache import ResponseCache
-from pier.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
+from pier.observability.statistics import FAILURE_REASONS, HISTOGRAM_BUCKETS_MS, Duration
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

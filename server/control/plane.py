@@ -11,8 +11,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pier.contract.errors import invalid_arg, unavailable
+from pier.control.manager import RepositoryManager
 from pier.repository.disk import LoadOverride, check_file_parameter
-from pier.repository.manager import RepositoryManager
 from pier.repository.source import is_version
 
 FILE_PREFIX = "file:"

@@ -8,9 +8,9 @@ from typing import Any
 
 import re2
 
-from pier import datatypes
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import InferenceRequest, ModelSpec, RequestedOutput, Tensor, TensorSpec
+from pier.tensors import datatypes
 
 _BATCH_NOTE = (
     " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be "

@@ -12,8 +12,8 @@ from typing import Any
 
 from pier.contract.errors import PierError, internal
 from pier.contract.types import InferenceRequest, InferenceResponse
-from pier.control_plane import ControlPlane
-from pier.data_plane import DataPlane
+from pier.control.plane import ControlPlane
+from pier.dataplane.plane import DataPlane
 
 _END = object()
 
