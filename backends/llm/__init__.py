@@ -14,7 +14,7 @@ Public API (what the server's llm backend uses):
     engine.tokenizer.apply_chat_template(messages)
     engine.shutdown()
 
-Module map: config (parameters), models/ (HF folder → plain-torch Llama/Mistral/Qwen2), kv_cache
+Module map: config (parameters), models/ (registry: config.json → a model file composed of layers/), kv_cache
 (block pool + per-sequence tables), scheduler (+ scheduler_output: the per-step plain data),
 model_runner + attention (paged attention), sampler, tokenizer (detokenization, chat template),
 engine (sync step loop), async_engine (step thread + async streaming).

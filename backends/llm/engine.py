@@ -19,8 +19,8 @@ from . import kernels
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, kv_bytes_per_block
-from .models.llama import DTYPES, LlamaForCausalLM
-from .models.loader import ModelConfig
+from .models import registry
+from .models.interface import DTYPES
 from .request import Sequence as Seq
 from .sampler import SampleResult, sample
 from .sampling_params import SamplingParams
@@ -159,7 +159,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         cfg = self.config
         folder = Path(cfg.model_path or model_dir)
-        self.model_config = ModelConfig.from_folder(folder)
+        model_cls, self.model_config = registry.resolve(folder)
         self.tokenizer = Tokenizer(folder)
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -168,7 +168,7 @@ class LLMEngine:
         self.device = _device(cfg)
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
-        self.model = LlamaForCausalLM.load(folder, mc, DTYPES[cfg.dtype], self.device, self.max_model_len + 1)
+        self.model = registry.load_model(folder, model_cls, mc, DTYPES[cfg.dtype], self.device, self.max_model_len + 1)
         per_block = kv_bytes_per_block(self.model, cfg.block_size)
         num_blocks = self._kv_budget() // per_block
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillChunk, prefix_causal_mask
-from .models.llama import LlamaForCausalLM
+from .models.interface import CausalLM, KVCacheSpec
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 
 # A decode group closes when the next (longer) sequence needs this many times the blocks of the
@@ -19,34 +19,31 @@ _GROUP_GROWTH = 1.25
 _MIN_GROUP = 4
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
-    cfg = model.cfg
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
+    """What one block (block_size tokens) takes in every layer's K and V caches."""
+    return sum(spec.bytes_per_block(block_size) for spec in model.kv_cache_specs())
 
 
 class ModelRunner:
     """Runs one step of the model over paged KV caches."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
                  decode_op: Callable[..., None] | None = None) -> None:
         self.model = model
         self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
         self.block_size = block_size
-        cfg = model.cfg
-        kvh, hd = cfg.num_kv_heads, cfg.head_dim
-        k_block = (hd, block_size) if decode_op is not None else (block_size, hd)  # see attention.py
-        self.kv_caches = [
-            (torch.zeros((kvh, num_blocks, *k_block), dtype=model.dtype, device=model.device),
-             torch.zeros((kvh, num_blocks, block_size, hd), dtype=model.dtype, device=model.device))
-            for _ in range(cfg.num_layers)
-        ]
-        pin = model.device.type == "cuda"
-        self.cpu_caches = [
-            (torch.zeros((kvh, num_cpu_blocks, *k_block), dtype=model.dtype, pin_memory=pin),
-             torch.zeros((kvh, num_cpu_blocks, block_size, hd), dtype=model.dtype, pin_memory=pin))
-            for _ in range(cfg.num_layers)
-        ] if num_cpu_blocks else []
+        specs = model.kv_cache_specs()
+        self.kv_caches = [self._cache(s, num_blocks, model.device) for s in specs]
+        self.cpu_caches = [self._cache(s, num_cpu_blocks, torch.device("cpu"), pin=model.device.type == "cuda")
+                           for s in specs] if num_cpu_blocks else []
+
+    def _cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, pin: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V caches; K block-transposed for the compiled decode kernel (see attention.py)."""
+        kvh, hd, bs = spec.num_kv_heads, spec.head_dim, self.block_size
+        k_block = (hd, bs) if self.decode_op is not None else (bs, hd)
+        return (torch.zeros((kvh, num_blocks, *k_block), dtype=spec.dtype, device=device, pin_memory=pin),
+                torch.zeros((kvh, num_blocks, bs, hd), dtype=spec.dtype, device=device, pin_memory=pin))
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
@@ -106,7 +103,7 @@ class ModelRunner:
             torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
         )
         # prompt logprobs: each row's log-softmax (row r predicts the token at position start_pos + r + 1)
-        self.prompt_logprobs = {sid: torch.log_softmax(self.model.logits(hidden[a : a + n]), dim=-1)
+        self.prompt_logprobs = {sid: torch.log_softmax(self.model.compute_logits(hidden[a : a + n]), dim=-1)
                                 for sid, a, n in lp_rows}
         if not sample_rows:
             self.sample_hidden = None
@@ -114,7 +111,7 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=dev)]
         self.sample_hidden = hidden  # the sampling rows' final hidden states (embedding requests pool them)
-        return sample_ids, self.model.logits(hidden)
+        return sample_ids, self.model.compute_logits(hidden)
 
     def _decode_batch(self, decodes: list[ScheduledSeq], dev: torch.device) -> DecodeBatch:
         """Block tables (padded with block 0) and context lengths of every decode, for the kernel."""

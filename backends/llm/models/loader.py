@@ -1,94 +1,12 @@
-"""Read a Hugging Face-format model folder: config.json, (sharded) safetensors, generation config."""
+"""A Hugging Face-format model folder's weights: (sharded) safetensors, one tensor at a time."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the model code needs, normalised across Llama / Mistral / Qwen2."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    sliding_window: int | None
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> ModelConfig:
-        """Parse config.json (+ generation_config.json for EOS ids). Raises ValueError if unsupported."""
-        path = folder / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no config.json in {folder}")
-        raw = json.loads(path.read_text())
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        rope_params = raw.get("rope_parameters") or {}
-        rope_scaling = raw.get("rope_scaling") or None
-        if rope_scaling is None and rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-            rope_scaling = rope_params
-        theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        eos = _ids(raw.get("eos_token_id"))
-        gen_path = folder / "generation_config.json"
-        if gen_path.is_file():
-            gen = json.loads(gen_path.read_text())
-            eos = eos + tuple(i for i in _ids(gen.get("eos_token_id")) if i not in eos)
-        is_qwen = arch == "Qwen2ForCausalLM"
-        sliding = raw.get("sliding_window") if (not is_qwen or raw.get("use_sliding_window")) else None
-        return cls(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)) or is_qwen,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            eos_token_ids=eos,
-            bos_token_id=raw.get("bos_token_id"),
-            sliding_window=int(sliding) if sliding else None,
-        )
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -115,3 +33,33 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class WeightMap:
+    """Checkpoint tensor names -> where each goes, filled by a model as it builds its layers.
+
+    `load` hands every known tensor to its target (names it does not know are left alone, as
+    transformers leaves unused tensors) and raises ValueError naming a required tensor that is missing."""
+
+    def __init__(self) -> None:
+        self._targets: dict[str, Callable[[torch.Tensor], None]] = {}
+        self._optional: set[str] = set()
+
+    def add(self, name: str, target: Callable[[torch.Tensor], None], optional: bool = False) -> None:
+        self._targets[name] = target
+        if optional:
+            self._optional.add(name)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `weights`; returns the names loaded."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            target = self._targets.get(name)
+            if target is not None:
+                target(tensor)
+                seen.add(name)
+        missing = sorted(set(self._targets) - seen - self._optional)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"weight {missing[0]} missing from the safetensors files{more}")
+        return seen

@@ -88,7 +88,7 @@ def ops(op):
 @pytest.mark.parametrize("rows,hidden", [(1, 512), (7, 48), (300, 200), (2048, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rms_norm_and_silu_mul(ops, rows, hidden, threads):
-    from pier.backends.llm.models.llama import rms_norm
+    from pier.backends.llm.layers.norm import rms_norm
 
     gen = torch.Generator().manual_seed(rows + hidden)
     x = torch.randn(rows, hidden + 3, generator=gen)[:, :hidden] * 3  # strided rows, as a slice

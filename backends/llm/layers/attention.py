@@ -1,0 +1,50 @@
+"""`Attention`: one decoder layer's attention over the paged KV cache, from its fused q/k/v projection.
+
+RoPE on q and k, the new tokens' K/V written to their cache slots, then paged attention (the step's
+decode tokens and prefill chunks; `backends/llm/attention.py` is the paged attention itself and the
+per-step metadata). With the compiled CPU kernels (`use_kernels`), RoPE and the K/V write are one op
+and the K cache is block-transposed (the decode kernel's layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..attention import AttentionMetadata, Workspace, paged_attention, write_kv
+from .rotary import RotaryEmbedding
+
+
+class Attention:
+    """Heads, KV heads and head size of one layer; `scale` is the softmax scale (head_dim ** -0.5 by default)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
+                 workspace: Workspace, scale: float | None = None) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.rope = rope
+        self.workspace = workspace
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.kernels: Any | None = None
+
+    def use_kernels(self, ops: Any) -> None:
+        self.kernels = ops
+
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, rotations: torch.Tensor | None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """[N, heads * head_dim] for the step's tokens; `rotations` is `rope.at(positions)` (None with kernels)."""
+        k_cache, v_cache = kv_cache
+        n, hd, nh, nkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qs, kvs = self.q_size, self.kv_size
+        v = qkv[:, qs + kvs :].view(n, nkv, hd)
+        if self.kernels is not None:  # rotates q and k inside qkv, then stores k and v
+            assert self.rope.table is not None
+            self.kernels.rope_write_kv(qkv, self.rope.table, positions, k_cache, v_cache, meta.slot_mapping, nh, nkv)
+            q, k = qkv[:, :qs].view(n, nh, hd), qkv[:, qs : qs + kvs].view(n, nkv, hd)
+        else:
+            assert rotations is not None
+            qk = self.rope.rotate(qkv[:, : qs + kvs].view(n, nh + nkv, hd), rotations)
+            q, k = qk[:, :nh], qk[:, nh:]
+            write_kv(k_cache, v_cache, k, v, meta)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)

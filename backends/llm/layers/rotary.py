@@ -1,0 +1,121 @@
+"""Rotary position embedding (RoPE) with the scaling kinds real checkpoints use.
+
+The inverse frequencies follow Hugging Face's `modeling_rope_utils` for each `rope_type`: `default`,
+`linear` (positions divided by `factor`), `dynamic` (NTK: the base grown for the longer context; vLLM's
+static form, sized once for max_position_embeddings * factor), `llama3` (Llama 3.1's smooth
+low/high-frequency split) and `yarn` (NTK-by-parts with its attention factor on cos/sin). Parameters
+come normalised from models/hf_config.py (config.json of transformers 4.x, `rope_theta` +
+`rope_scaling`, or 5.x, `rope_parameters`).
+
+Layout: RoPE is one complex multiply on adjacent channel pairs. Hugging Face rotates halves (x[i]
+with x[i + d/2]); the q and k projection rows are permuted at load (`interleave_rows`) so that those
+pairs sit side by side. q·k is unchanged when q and k are permuted alike, so attention is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(head_dim: int, rope: Mapping[str, Any], max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies after the scaling, and the factor applied to cos and sin."""
+    kind = rope.get("rope_type", "default")
+    base = float(rope.get("rope_theta", 10000.0))
+    dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    factor = float(rope.get("factor") or 1.0)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if kind == "dynamic":
+        max_len = max_position_embeddings * factor
+        base = base * ((factor * max_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = float(rope.get("original_max_position_embeddings") or max_position_embeddings)
+    if kind == "llama3":
+        low = float(rope.get("low_freq_factor", 1.0))
+        high = float(rope.get("high_freq_factor", 4.0))
+        low_wavelen, high_wavelen = original / low, original / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        if rope.get("factor") is None:
+            factor = max_position_embeddings / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                         if mscale and mscale_all_dim else _yarn_mscale(factor))
+        fast, slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = correction_dim(fast), correction_dim(slow)
+        if rope.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        extrapolate = 1 - ramp
+        inv_freq = (inv_freq / factor) * (1 - extrapolate) + inv_freq * extrapolate
+        return inv_freq, float(attention)
+    return inv_freq, 1.0
+
+
+def interleave_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output channels from rotate-half (x0..x31, x32..x63) to pairs (x0, x32, x1, x33, ..)."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    shape = w.shape
+    return w.view(heads, head_dim, *shape[1:])[:, perm].reshape(shape).contiguous()
+
+
+class RotaryEmbedding:
+    """cos/sin (as complex numbers) for positions 0 .. max_positions - 1 of one head size."""
+
+    def __init__(self, head_dim: int, rope: Mapping[str, Any], max_position_embeddings: int, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.head_dim = head_dim
+        inv_freq, attention_factor = rope_inv_freq(head_dim, rope, max_position_embeddings)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        self.freqs_cis = torch.polar(torch.full_like(freqs, attention_factor), freqs).to(device=device, dtype=cdtype)
+        self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.table: torch.Tensor | None = None  # [positions, hd/2, 2] for the compiled kernel
+
+    def use_kernels(self) -> None:
+        self.table = torch.view_as_real(self.freqs_cis).contiguous()
+
+    def interleave(self, w: torch.Tensor, heads: int) -> torch.Tensor:
+        """A q or k projection's rows (weight or bias) in the pair layout this embedding rotates."""
+        return interleave_rows(w, heads, self.head_dim)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotations of a step's positions, [n, 1, hd/2] (computed once, used by every layer)."""
+        return self.freqs_cis[positions].unsqueeze(1)
+
+    def rotate(self, qk: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+        """q and k heads side by side, [n, heads, hd], rotated by `at(positions)` (a new tensor)."""
+        n, heads, hd = qk.shape
+        pairs = qk.view(n, heads, hd // 2, 2)
+        if pairs.dtype != self.compute_dtype:
+            pairs = pairs.to(self.compute_dtype)
+        rotated = torch.view_as_complex(pairs) * rotations
+        return torch.view_as_real(rotated).view(n, heads, hd).to(qk.dtype)

@@ -1,0 +1,17 @@
+"""Mistral: Llama's layers without biases; its `sliding_window` caps the context here (there is no
+sliding-window attention yet, so a sequence stays inside one window and attends to all of it)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from .hf_config import ArchConfig, arch_config
+from .llama import LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def arch_config(cls, raw: dict[str, Any], architecture: str) -> ArchConfig:
+        cfg = arch_config(raw, architecture)
+        return replace(cfg, qkv_bias=False, o_bias=False, mlp_bias=False)

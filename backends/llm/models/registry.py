@@ -1,0 +1,59 @@
+"""Which model file serves a checkpoint: config.json's `architectures[0]` -> module, imported on first use.
+
+Adding an architecture is one file under `models/` (a class following `interface.CausalLM`, usually
+composed of `layers/`) and one row here. A checkpoint whose architecture is not listed fails its load
+with a message listing those that are.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from .hf_config import ArchConfig, read_config
+from .interface import CausalLM
+from .loader import iter_weights
+
+# architecture (config.json) -> (module under models/, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+}
+_DEFAULT = "LlamaForCausalLM"  # a config.json without `architectures` (early Llama conversions)
+
+
+def architectures() -> tuple[str, ...]:
+    """The architectures Pier serves, sorted."""
+    return tuple(sorted(_MODELS))
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The class serving `architecture`, importing its module now. ValueError when unknown."""
+    try:
+        module, name = _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(architectures())}"
+                         ) from None
+    return cast("type[CausalLM]", getattr(importlib.import_module(f"{__package__}.{module}"), name))
+
+
+def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
+    """The model class and its normalised config for the checkpoint in `folder`."""
+    raw = read_config(folder)
+    archs: Any = raw.get("architectures") or [_DEFAULT]
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"config.json: architectures must be a list of names, got {archs!r}")
+    cls = model_class(archs[0])
+    return cls, cls.arch_config(raw, archs[0])
+
+
+def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> CausalLM:
+    """Build `cls` and load the folder's safetensors into it."""
+    model = cls(config, dtype, device, max_positions)
+    model.load_weights(iter_weights(folder))
+    return model
