@@ -9,7 +9,7 @@ PA_DIR ?= $(HOME)/opt/perf-analyzer
 EDITABLE := --no-build-isolation --config-settings editable_mode=strict
 PKG_FILES := $(shell find server backends -name '*.py' -o -name '*.pyi' -o -name '*.cpp' -o -name '*.h' | LC_ALL=C sort)
 
-.PHONY: serve test lint unit perf-analyzer models pipeline protos bench clean FORCE
+.PHONY: serve test fast lint unit perf-analyzer models pipeline protos bench clean FORCE
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -36,17 +36,24 @@ $(VENV)/.linked: $(VENV)/.pkg-files $(VENV)/.serve-deps
 serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
 	$(VENV)/bin/pier serve --model-repository model_repository
 
+# Every test; then the e2e tests marked `frontends` (the paths that differ with frontend processes:
+# tests/conftest.py says which) again, every server with --frontend-processes=2. The markers and
+# the parts they make: docs/development.md.
 test: $(VENV)/.test-deps $(VENV)/.linked perf-analyzer lint  ## lint, then every test (unit + e2e against real servers)
 	PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q
-	@echo "the e2e tests again, every server with --frontend-processes=2:"
-	PIER_TEST_FRONTEND_PROCESSES=2 PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q tests/e2e
+	@echo "the e2e tests marked frontends again, every server with --frontend-processes=2:"
+	PIER_TEST_FRONTEND_PROCESSES=2 PERF_ANALYZER=$(PA_DIR)/perf_analyzer $(PY) -m pytest -q -m frontends tests/e2e \
+		--ignore=tests/e2e/test_frontend_processes.py  # it names --frontend-processes itself: the first pass ran it so
+
+fast: $(VENV)/.test-deps $(VENV)/.linked  ## the tests that start no server, the slowest left out (well under a minute)
+	$(PY) -m pytest -q -m "not e2e and not slow"
 
 lint: $(VENV)/.test-deps $(VENV)/.linked
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(wildcard build/__editable__.pier-*/pier)  # the installed names: pier, pier.backends
 
-unit: $(VENV)/.test-deps $(VENV)/.linked
-	$(PY) -m pytest -q tests/server tests/backends
+unit: $(VENV)/.test-deps $(VENV)/.linked  ## every test that starts no server (make fast, and the slow ones)
+	$(PY) -m pytest -q -m "not e2e"
 
 # NVIDIA perf_analyzer for its e2e test and the benchmarks (the test skips with a reason if this fails).
 perf-analyzer:

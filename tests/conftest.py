@@ -21,10 +21,38 @@ from scripts.build_example_models import identity_model, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_REPO = ROOT / "model_repository"
+# The LLM engine's C++ kernels compile once per checkout, into build/ (make clean removes them): torch
+# keys its cache by extension name and rebuilds when the sources' paths change, so checkouts sharing
+# ~/.cache/torch_extensions (worktrees, a clean clone beside a dev tree) would rebuild them (~15 s)
+# each time the other one ran. Servers and engine-core processes the tests start inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
+# Markers a whole folder carries (pyproject.toml registers them; the others sit on the tests).
+FOLDER_MARKERS = {ROOT / "tests" / "e2e": "e2e", ROOT / "tests" / "backends" / "llm": "llm"}
+# FRONTENDS: which e2e tests `make test` runs a second time, every server with --frontend-processes=2.
+# What differs in that mode (docs/architecture.md "Frontend processes", server/frontends/workers/):
+# a frontend process parses, decodes and encodes `POST .../infer` and gRPC ModelInfer itself and
+# sends the decoded request over its channel (every datatype, parameter, requested output and
+# sequence flag crosses it), checks API keys and restrictions on them, asks the server's rate
+# limits (ADMIT) and relays a request it cannot serve after all (shared memory, raw binary,
+# compressed); the relay itself (streams, server-sent events, cancellation, deadlines); startup
+# (binding, TLS, keepalive, a failed start); the drain and shutdown; the logging settings. So:
+# whole modules for those paths (bad input, clients, datatypes, classification, HTTP extras,
+# sequences, shared memory, guards, shutdown, logging, tracing, perf_analyzer), single tests
+# elsewhere (startup, tritonserver flags, the relay of the LLM's streams, parameters both ways).
+# Not again: what the server process does in either mode with the same code (model control,
+# repositories, the life cycle and rollouts, batching, backends, ensembles, the LLM engine).
 
 # KServe datatype -> (config type, ONNX identity model available)
 ROUND_TRIP_TYPES = ["BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64",
                     "FP16", "FP32", "FP64", "BYTES", "BF16"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on them
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for folder, marker in FOLDER_MARKERS.items():
+            if folder in item.path.parents:
+                item.add_marker(marker)
 
 
 def free_port() -> int:
@@ -71,7 +99,7 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
                ports: tuple[int, int, int] | None = None) -> PierProcess:
     http, grpc_, metrics = ports or (free_port(), free_port(), free_port())
     # PIER_TEST_FRONTEND_PROCESSES=N runs every such server with N frontend processes (`make test`
-    # runs the e2e tests once so): the control plane must behave the same in both modes.
+    # runs the tests marked `frontends` once so, FRONTENDS below): both modes must answer alike.
     frontends = os.environ.get("PIER_TEST_FRONTEND_PROCESSES")
     if frontends and not any(a.startswith("--frontend-processes") for a in extra):
         extra = (*extra, f"--frontend-processes={frontends}")

@@ -70,7 +70,7 @@ class Pier(ServerKind):
 
 
 class Triton(ServerKind):
-    """The reference tritonserver 2.51 from /work/shared/tools/triton-reference/install.sh, launched the way its
+    """The reference tritonserver 2.51 from the reference tools' triton-reference/install.sh, launched the way its
     start.sh does (same environment and bind flags), but directly, so the runner owns the process and its log."""
 
     name = "triton"

@@ -18,6 +18,8 @@ from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import start_pier
 
+pytestmark = pytest.mark.frontends  # body limits, parsing and decode errors happen in the frontend
+
 LIMIT = 1 << 20  # 1 MiB
 
 

@@ -11,6 +11,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+pytestmark = pytest.mark.frontends  # infer decoded and encoded in the frontend; metadata, streams relayed
+
 
 def _simple_inputs(module, batch: int, binary: bool | None = None):
     a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)

@@ -262,6 +262,7 @@ SLOW_WARMUP = ('model_warmup [ { name: "slow" batch_size: 1 count: 40000 inputs 
                'data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } } } ]\n')
 
 
+@pytest.mark.slow
 def test_a_load_slower_than_the_load_call_timeout_is_waited_for(cluster: tuple[list[PierProcess], list[Path]],
                                                                  tmp_path: Path) -> None:
     """The load call gives up after 0.3 s (as a proxy's idle timeout would) while the server goes on

@@ -10,6 +10,8 @@ import tritonclient.http as httpclient
 
 from tests.conftest import ROUND_TRIP_TYPES
 
+pytestmark = pytest.mark.frontends  # every datatype crosses the frontend's channel (wire codec)
+
 NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
          "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
          "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}

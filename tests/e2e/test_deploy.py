@@ -97,7 +97,7 @@ def test_chart_lints_and_every_rendering_validates(tools, tmp_path: Path) -> Non
     deploy.write_text(_render(tools).replace("readinessProbe", "readynessProbe"))
     assert _run([tools["kubernetes-validate"], "--strict", "-k", "1.35.0", str(deploy)]).returncode != 0
     if not tools["crd-validate"]:
-        pytest.skip("crd-validate needs the reference CRDs (PIER_REFERENCE_TOOLS or ../shared/tools): the chart "
+        pytest.skip("crd-validate needs the reference CRDs (PIER_REFERENCE_TOOLS names them): the chart "
                     "linted and its core kinds validated; custom resources not validated")
     crs = _run([tools["crd-validate"], *map(str, sorted(KSERVE.glob("*.yaml")))])
     assert crs.returncode == 0 and crs.stdout.count("ok ") == len(list(KSERVE.glob("*.yaml"))), crs.stdout

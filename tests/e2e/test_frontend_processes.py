@@ -2,8 +2,8 @@
 ports; a `kill -9` of one under load costs only the connections it held (the others serve, the
 server restarts it); rate limits count every frontend's requests; large tensors cross through
 shared memory both ways; a port already taken fails the start with its reason; shutdown leaves
-no process, socket folder or /dev/shm entry behind. (The other e2e tests run in this mode too:
-`make test` runs them again with PIER_TEST_FRONTEND_PROCESSES=2.)"""
+no process, socket folder or /dev/shm entry behind. (The e2e tests marked `frontends` run in this
+mode too: `make test` runs them again with PIER_TEST_FRONTEND_PROCESSES=2.)"""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import pytest
 import requests
 
 from tests.conftest import EXAMPLE_REPO, PierProcess, free_port, start_pier
+
+pytestmark = pytest.mark.frontends  # sets --frontend-processes itself: make test's first pass runs it so
 
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -86,6 +88,7 @@ def _stopped_clean(s: PierProcess, before: tuple[set[str], set[str]]) -> None:
     assert _shm() <= before[1], _shm() - before[1]
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_frontend_costs_only_its_connections(server) -> None:
     s, before = server
     first = frontends(s.proc.pid)
@@ -223,6 +226,7 @@ def _serve_on_http_port(port: int, frontends: int) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_a_port_another_reuseport_server_holds_is_refused(tmp_path: Path) -> None:
     """The frontends bind with SO_REUSEPORT; a second server on the same ports must not join the
     first one's (the kernel would split the clients between them): it fails as one process would."""

@@ -44,6 +44,7 @@ SIMPLE_BODY = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "da
 IDENTITY_BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
 
 
+@pytest.mark.frontends  # API keys are checked in the frontend
 def test_api_keys(tmp_path: Path) -> None:
     (tmp_path / "keys").write_text("# one per line\nk2\n")
     server = start_pier([_repo(tmp_path)], "--api-key=k1", f"--api-key-file={tmp_path / 'keys'}",
@@ -85,6 +86,7 @@ def _metric(server: PierProcess, line: str) -> float:
     return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
 
 
+@pytest.mark.frontends  # the frontend asks the server's rate limits (ADMIT)
 def test_rate_limits(tmp_path: Path) -> None:
     server = start_pier([_repo(tmp_path)], "--rate-limit-model=simple=1:2", "--api-key=k1", "--api-key=k2",
                         "--rate-limit-key=0.5:3", log_path=tmp_path / "pier.log")

@@ -9,9 +9,12 @@ import struct
 import zlib
 
 import numpy as np
+import pytest
 import requests
 
 from pier.tensors.datatypes import serialize_bytes
+
+pytestmark = pytest.mark.frontends  # raw binary and compressed bodies are relayed after the frontend looks
 
 
 def test_raw_binary_request(pier):
@@ -60,6 +63,7 @@ def _peak_rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
+@pytest.mark.slow
 def test_gzip_bomb_is_refused_without_inflating_it(pier):
     """A small gzip body that inflates to 512 MiB: a 413 at --http-max-input-size (64 MiB), and the
     server's peak memory grows by far less than the inflated size; it keeps serving."""

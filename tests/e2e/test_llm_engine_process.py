@@ -22,6 +22,8 @@ import requests
 
 from tests.conftest import EXAMPLE_REPO, start_pier
 
+pytestmark = pytest.mark.llm
+
 pytest.importorskip("transformers")
 httpclient = pytest.importorskip("tritonclient.http")
 
@@ -68,6 +70,7 @@ def _index_state(base: str) -> tuple[str, str]:
     return row.get("state", ""), row.get("reason", "")
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_engine_process(tmp_path: Path) -> None:
     from tests.backends.llm.tiny_model import build_model
 

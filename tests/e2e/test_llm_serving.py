@@ -19,6 +19,8 @@ import requests
 
 from tests.conftest import PierProcess, start_pier
 
+pytestmark = pytest.mark.llm
+
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -157,6 +159,7 @@ def oai(server: PierProcess):
     return openai.OpenAI(base_url=f"{server.base()}/v1", api_key="none")
 
 
+@pytest.mark.frontends  # server-sent events through the HTTP relay
 def test_openai_models_and_completions(oai, server: PierProcess) -> None:
     assert [m.id for m in oai.models.list().data] == ["tiny_llama"]
     expected = generate(server, {"text_input": "hello pier", "exclude_input_in_output": True,
@@ -702,6 +705,7 @@ def test_named_and_required_tool_calls_parse_and_validate(oai) -> None:
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
+@pytest.mark.slow
 def test_a_model_with_its_own_settings(tmp_path) -> None:
     """A model with `tool_call_parser` answers tool_choice "auto": free text, read by the parser
     (its formats are unit-tested in tests/server/test_openai_tools.py); a name it does not know
@@ -752,6 +756,7 @@ def test_compatible_fields_are_accepted(oai) -> None:
                                     extra_body={"priority": 5})
 
 
+@pytest.mark.frontends  # a client leaving closes the relay's upstream
 def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
     generated_before, aborted_before = _metric(server, "vllm:generation_tokens_total"), _aborted(server)
     body = json.dumps({"model": "tiny_llama", "prompt": "a long story", "max_tokens": 400, "temperature": 0,
@@ -779,6 +784,7 @@ def test_disconnect_mid_stream_frees_blocks(server: PierProcess) -> None:
     assert "Cannot write to closing transport" not in server.log()  # a client leaving is not an error
 
 
+@pytest.mark.frontends  # likewise for a plain request
 def test_disconnect_cancels_a_non_streaming_request(server: PierProcess) -> None:
     """A client that gives up on a whole (non-streamed) answer cancels the request too."""
     aborted_before = _aborted(server)
@@ -796,6 +802,7 @@ def test_disconnect_cancels_a_non_streaming_request(server: PierProcess) -> None
     assert _metric(server, "vllm:generation_tokens_total") - generated_before < 32 * 400  # it stopped early
 
 
+@pytest.mark.frontends  # the gRPC relay carries the deadline
 def test_grpc_stream_deadline_cancels_the_request(server: PierProcess) -> None:
     """A stream whose gRPC deadline passes (tritonclient's stream_timeout) ends with
     DEADLINE_EXCEEDED, and the request it was generating is aborted and its blocks freed."""

@@ -16,6 +16,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import EXAMPLE_REPO, start_pier
 
+pytestmark = pytest.mark.frontends  # log settings are sent to the frontends, which log themselves
+
 ISO_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ I \d+ [\w.]+:\d+\] ", re.M)
 
 

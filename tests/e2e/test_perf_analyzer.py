@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.frontends  # binary tensors under load, through the frontends
+
 PA = Path(os.environ.get("PERF_ANALYZER", Path.home() / "opt/perf-analyzer/perf_analyzer"))
 
 

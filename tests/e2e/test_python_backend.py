@@ -99,6 +99,7 @@ def test_bls_calls_simple(server: PierProcess, mod) -> None:
     assert stats["model_stats"][0]["inference_stats"]["success"]["count"] >= 1  # went through `simple`
 
 
+@pytest.mark.frontends  # request parameters and headers cross the channel
 def test_request_arguments_as_triton_hands_them(server: PierProcess) -> None:
     """As Triton: no requested outputs means all of them; tritonclient's own binary_data_output is
     not a model parameter; a BLS model name given as bytes is text; undeclared outputs are dropped."""
@@ -518,6 +519,7 @@ def test_rescheduling_without_iterative_sequences_fails_the_request(server: Pier
     assert countdown_stream(server, "reschedule_dynamic", {"y": 1}) == {"y": [0]}
 
 
+@pytest.mark.frontends  # response parameters cross back
 @pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])
 def test_response_parameters_reach_the_client(server: PierProcess, mod) -> None:
     """A python model's InferenceResponse(parameters=...) comes back in the response's parameters."""

@@ -35,6 +35,7 @@ def place(repo: Path, staging: Path, model: str, version: int, constant: float) 
     os.rename(tmp, repo / model / str(version))
 
 
+@pytest.mark.slow
 def test_poll_mode_follows_the_repository(tmp_path: Path) -> None:
     repo, staging = tmp_path / "repo", tmp_path / "staging"
     write_model(repo, "addv", ADD_CONFIG.format(name="addv", policy="{ all { } }"), add_constant_model(1.0))
@@ -148,6 +149,7 @@ class Load:
         return start
 
 
+@pytest.mark.slow
 def test_rollout_split_rollback_unload_under_load(tmp_path: Path) -> None:
     repo, staging = tmp_path / "repo", tmp_path / "staging"
     write_model(repo, "addv", ADD_CONFIG.format(name="addv", policy="{ all { } }"), add_constant_model(1.0))

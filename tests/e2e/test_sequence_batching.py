@@ -18,6 +18,8 @@ import tritonclient.http as httpclient
 from scripts.build_example_models import ACCUMULATE_CONFIG, accumulate_model, write_model
 from tests.conftest import start_pier
 
+pytestmark = pytest.mark.frontends  # sequence ids and flags cross the channel
+
 # The example model, with a short idle limit (for the release test) and room to batch: a batch
 # waits up to 3 ms for half its slots to hold a ready request.
 CONFIG = ACCUMULATE_CONFIG.replace("idle_microseconds: 60000000", "idle_microseconds: 700000").replace(

@@ -19,6 +19,8 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
 
+pytestmark = pytest.mark.frontends  # a request naming a region is relayed (and its rate-limit token refunded)
+
 PA = Path(os.environ.get("PERF_ANALYZER", Path.home() / "opt/perf-analyzer/perf_analyzer"))
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
 

@@ -7,10 +7,13 @@ import signal
 import threading
 import time
 
+import pytest
 import requests
 
 from tests.conftest import start_pier
 from tests.model_builders import slow_model
+
+pytestmark = pytest.mark.frontends  # the server tells its frontends when it drains, then stops them
 
 SLOW_CONFIG = """name: "slow"
 platform: "onnxruntime_onnx"

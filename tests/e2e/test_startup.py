@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import requests
 
 from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
@@ -29,6 +30,7 @@ def _repo_with_broken_model(tmp_path):
     return repo
 
 
+@pytest.mark.frontends  # frontends start once the models are up
 def test_exit_on_error_false_keeps_serving(tmp_path):
     repo = _repo_with_broken_model(tmp_path)
     server = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=tmp_path / "log")
@@ -51,6 +53,7 @@ def test_exit_on_error_false_keeps_serving(tmp_path):
         assert server.stop() == 0
 
 
+@pytest.mark.frontends  # readiness is relayed
 def test_strict_readiness_reports_not_ready_with_a_broken_model(tmp_path):
     repo = _repo_with_broken_model(tmp_path)
     server = start_pier([repo], "--exit-on-error=false", log_path=tmp_path / "log", wait_ready=False)
@@ -67,6 +70,7 @@ def test_strict_readiness_reports_not_ready_with_a_broken_model(tmp_path):
         assert server.stop() == 0
 
 
+@pytest.mark.frontends  # a failed start stops the frontends it started
 def test_exit_on_error_default_stops_with_the_error(tmp_path):
     repo = _repo_with_broken_model(tmp_path)
     server = start_pier([repo], log_path=tmp_path / "log", wait_ready=False)
@@ -148,6 +152,7 @@ def test_summary_metrics_and_tritonserver_metric_flags(tmp_path):
         assert server.stop() == 0
 
 
+@pytest.mark.frontends  # the frontends bind (or not) the ports
 def test_allow_flags_turn_endpoints_off(tmp_path):
     server = start_pier([EXAMPLE_REPO], "--allow-grpc=false", "--allow-metrics=false", log_path=tmp_path / "log")
     try:

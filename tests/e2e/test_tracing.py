@@ -18,6 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import EXAMPLE_REPO, start_pier
 
+pytestmark = pytest.mark.frontends  # the frontend stamps the receive time of a traced request
+
 HTTP_ORDER = ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
               "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "INFER_RESPONSE_COMPLETE",
               "REQUEST_END", "HTTP_SEND_START", "HTTP_SEND_END"]

@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
 
 
+@pytest.mark.frontends  # gRPC keepalive options go to the frontends' servers
 def test_tritonserver_command_line_runs_unchanged(tmp_path: Path) -> None:
     server = start_pier(
         [EXAMPLE_REPO], "--model-control-mode=explicit", "--load-model=simple", "--id=edge-7",
@@ -82,6 +83,7 @@ def _infer(url: str, **tls: object) -> list[int]:
     return client.infer("simple", [a, b], client_timeout=10).as_numpy("OUTPUT0")[0, :3].tolist()
 
 
+@pytest.mark.frontends  # the frontends terminate TLS
 def test_grpc_tls_and_mutual_tls(pki: Path, tmp_path: Path) -> None:
     base = ["--model-control-mode=explicit", "--load-model=simple", f"--grpc-server-cert={pki / 'server.pem'}",
             f"--grpc-server-key={pki / 'server.key'}"]
@@ -125,6 +127,7 @@ def test_model_config_name_picks_a_custom_config(tmp_path: Path) -> None:
         assert server.stop() == 0
 
 
+@pytest.mark.frontends  # restrictions on infer are checked in the frontend
 def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
     """Triton 2.51's answers, probed with the same flags: 403 on HTTP, UNAVAILABLE on gRPC (whose
     clients send the key as triton-grpc-protocol-<key>); unrestricted categories stay open."""
@@ -203,6 +206,7 @@ def _forwarded(server: object, headers: dict[str, str], parameters: dict[str, ob
     return seen
 
 
+@pytest.mark.frontends  # headers become parameters in the frontend
 def test_header_forward_patterns_make_headers_parameters(tmp_path: Path) -> None:
     """--http/grpc-header-forward-pattern (Triton's qa L0_parameters with TEST_HEADER): RE2
     expressions matched case-insensitively anywhere in a header's name, as tritonserver; headers

@@ -15,7 +15,7 @@ from pier.backends.llm.engine import LLMEngine
 from pier.backends.llm.sampling_params import SamplingParams
 
 
-@pytest.fixture(params=["thread", "process"])
+@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.slow)])
 def aengine(request, llama_dir):
     """Both ways of running the engine behave the same to their callers."""
     if request.param == "thread":

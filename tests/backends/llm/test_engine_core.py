@@ -47,6 +47,7 @@ def test_exit_cause() -> None:
     assert exit_cause(3) == "exited with code 3"
 
 
+@pytest.mark.slow
 def test_kill_fails_in_flight_then_restarts(llama_dir, prompts) -> None:
     health: list[str | None] = []
     eng = EngineCoreClient(llama_dir, PARAMS, {}, on_health=health.append)
@@ -84,6 +85,7 @@ def test_kill_fails_in_flight_then_restarts(llama_dir, prompts) -> None:
     assert not _alive(second)
 
 
+@pytest.mark.slow
 def test_restarts_are_bounded(llama_dir, prompts, monkeypatch) -> None:
     monkeypatch.setattr(core_client, "MAX_RESTARTS", 1)
     health: list[str | None] = []
@@ -105,6 +107,7 @@ def test_load_failure_names_the_reason(tmp_path) -> None:
         EngineCoreClient(tmp_path, PARAMS, {})
 
 
+@pytest.mark.slow
 def test_bad_request_is_refused_by_the_core(llama_dir, prompts) -> None:
     eng = EngineCoreClient(llama_dir, PARAMS, {})
     try:

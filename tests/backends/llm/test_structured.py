@@ -51,6 +51,7 @@ def engine(llama_dir):
     return LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=4 << 20))
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate_for_many_seeds_and_n(engine, prompts):
     so = {"json": SCHEMA}
     for seed in range(12):
