@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import EngineStats, LLMEngine, RequestOutput, check_text_length, encode_prompt
+from .engine import EngineStats, LLMEngine, RequestOutput
+from .input_processor import check_text_length, encode_prompt
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 

@@ -1,6 +1,9 @@
-"""SchedulerOutput → input ids, positions, slot mapping, block tables → logits.
+"""SchedulerOutput → input ids, positions, slot mapping, block tables → forward → sampled tokens.
 
-Owns the KV cache tensors (device) and the swap area (CPU). Never touches queues.
+Owns the KV cache tensors (device), the swap area (CPU) and the sampler with its per-sequence state
+(`sampler.SamplingState`, kept from the step a sequence is first scheduled to the step after it
+ends), so that a step is one call: `execute(scheduler output, grammar bitmask)` -> ModelRunnerOutput.
+Never touches queues, grammars or text.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import torch
 
 from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillChunk, prefix_causal_mask
 from .models.interface import CausalLM, KVCacheSpec
-from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .outputs import ModelRunnerOutput, PromptLogprobs
+from .sampler import SamplingState, sample
+from .scheduler_output import GrammarBitmask, ScheduledSeq, SchedulerOutput
 
 # A decode group closes when the next (longer) sequence needs this many times the blocks of the
 # group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
@@ -28,8 +33,10 @@ class ModelRunner:
     """Runs one step of the model over paged KV caches."""
 
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
-                 decode_op: Callable[..., None] | None = None) -> None:
+                 eos_ids: tuple[int, ...], decode_op: Callable[..., None] | None = None) -> None:
         self.model = model
+        self.eos_ids = eos_ids
+        self.states: dict[str, SamplingState] = {}  # seq id -> its sampler state
         self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
         self.block_size = block_size
         specs = model.kv_cache_specs()
@@ -46,31 +53,76 @@ class ModelRunner:
                 torch.zeros((kvh, num_blocks, bs, hd), dtype=spec.dtype, device=device, pin_memory=pin))
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Do the block moves, run the forward; return (seq ids that sample, their logits [M, V])."""
-        self.prompt_logprobs: dict[str, torch.Tensor] = {}
-        self.sample_hidden: torch.Tensor | None = None
+    def execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Update the sequences' states, do the block moves, run the forward, then sample (or pool)
+        for each sequence whose chunk reached its end. `grammar`: structured output's bitmask for
+        the sampling sequences that have a grammar."""
+        out = ModelRunnerOutput()
+        for sid in so.finished_seq_ids:
+            self.states.pop(sid, None)
+        dev = self.model.device
+        for new in so.new_seqs:
+            self.states[new.seq_id] = SamplingState.new(new.params, new.index, new.prompt_ids, dev)
         self._move_blocks(so)
         if not so.scheduled:
-            return [], None
+            return out
+        hidden, sampling, lp_rows = self._forward(so)
+        for s, a, n in lp_rows:
+            out.prompt_logprobs[s.seq_id] = self._prompt_logprobs(s, hidden[a : a + n])
+        if not sampling:
+            return out
+        rows, seq_ids, states = [], [], []  # per entry: its hidden row, sequence, state (forks after their parent)
+        for row, s in sampling:
+            parent = self.states[s.seq_id]
+            for sid, index in [(s.seq_id, -1), *s.forks]:
+                if index >= 0:
+                    self.states[sid] = parent.fork(index, dev)
+                rows.append(row)
+                seq_ids.append(sid)
+                states.append(self.states[sid])
+        pooled = [i for i, st in enumerate(states) if st.params.embed]
+        if pooled:  # embedding requests: their prompt's last hidden state is the answer
+            vectors = torch.nn.functional.normalize(hidden[torch.tensor([rows[i] for i in pooled], device=dev)].float(),
+                                                    dim=-1)
+            out.pooled = {seq_ids[i]: v for i, v in zip(pooled, vectors.tolist())}
+        sampled = [i for i in range(len(states)) if not states[i].params.embed]
+        if not sampled:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor([rows[i] for i in sampled], device=dev)])
+        picked = [states[i] for i in sampled]
+        masked = None
+        if grammar is not None:  # a fork's children start where their parent's grammar is
+            at = {sid: j for j, sid in enumerate(grammar.seq_ids)}
+            parent_of = {sid: s.seq_id for _, s in sampling for sid, _ in s.forks}
+            masked = ([at[parent_of.get(seq_ids[i], seq_ids[i])] for i in sampled if states[i].structured],
+                      grammar.bitmask)
+        results = sample(logits, picked, self.eos_ids, masked)
+        out.seq_ids = [seq_ids[i] for i in sampled]
+        out.sampled_token_ids = [r.token_id for r in results]
+        out.logprobs = [(r.logprob, r.top_logprobs) if st.params.logprobs is not None else None  # type: ignore[misc]
+                        for r, st in zip(results, picked)]
+        return out
+
+    def _forward(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, ScheduledSeq]],
+                                                      list[tuple[ScheduledSeq, int, int]]]:
+        """Run the model over the step's tokens: (hidden states, (row, seq) of each chunk that samples,
+        (seq, first row, rows) of each chunk that wants prompt logprobs)."""
         decodes = sorted((s for s in so.scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        lp_rows: list[tuple[str, int, int]] = []  # (seq id, first row, rows) that want prompt logprobs
+        sampling: list[tuple[int, ScheduledSeq]] = []
+        lp_rows: list[tuple[ScheduledSeq, int, int]] = []
         bs = self.block_size
         for s in decodes:
             if s.prompt_logprobs:  # a one-token prompt chunk
-                lp_rows.append((s.seq_id, len(ids), 1))
+                lp_rows.append((s, len(ids), 1))
             ids.append(s.token_ids[0])
             positions.append(s.start_pos)
             slots.append(s.block_table[s.start_pos // bs] * bs + s.start_pos % bs)
             if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_ids.append(s.seq_id)
+                sampling.append((len(ids) - 1, s))
         dev = self.model.device
         if self.decode_op is not None and decodes:
             groups: list[DecodeGroup] = []
@@ -82,7 +134,7 @@ class ModelRunner:
             n = len(s.token_ids)
             start = len(ids)
             if s.prompt_logprobs:
-                lp_rows.append((s.seq_id, start, n))
+                lp_rows.append((s, start, n))
             ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + n)
             positions.extend(pos)
@@ -95,23 +147,29 @@ class ModelRunner:
             else:
                 chunks.append(PrefillChunk(start, n, 0, None, None))
             if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_ids.append(s.seq_id)
+                sampling.append((len(ids) - 1, s))
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
-        hidden = self.model.forward(
-            torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.kv_caches, meta
-        )
-        # prompt logprobs: each row's log-softmax (row r predicts the token at position start_pos + r + 1)
-        self.prompt_logprobs = {sid: torch.log_softmax(self.model.compute_logits(hidden[a : a + n]), dim=-1)
-                                for sid, a, n in lp_rows}
-        if not sample_rows:
-            self.sample_hidden = None
-            return [], None
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=dev)]
-        self.sample_hidden = hidden  # the sampling rows' final hidden states (embedding requests pool them)
-        return sample_ids, self.model.compute_logits(hidden)
+        hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                    self.kv_caches, meta)
+        return hidden, sampling, lp_rows
+
+    def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor) -> PromptLogprobs:
+        """Row r of a prompt chunk predicts the token at position start_pos + r + 1: its logprob
+        (and the top alternatives), for the positions inside the prompt."""
+        state = self.states[s.seq_id]
+        assert state.prompt_ids is not None
+        first = s.start_pos + 1
+        m = max(min(hidden.shape[0], state.num_prompt - first), 0)
+        lp = torch.log_softmax(self.model.compute_logits(hidden[:m]), dim=-1)
+        tokens = torch.tensor(state.prompt_ids[first : first + m], device=lp.device)
+        values = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = state.params.prompt_logprobs or 0
+        top = None
+        if k:
+            vals, idx = lp.topk(k, dim=-1)
+            top = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        return PromptLogprobs(first, values, top)
 
     def _decode_batch(self, decodes: list[ScheduledSeq], dev: torch.device) -> DecodeBatch:
         """Block tables (padded with block 0) and context lengths of every decode, for the kernel."""

@@ -1,15 +1,20 @@
-"""Per-sequence state: token ids, how many are in the KV cache, status, timestamps."""
+"""Per-sequence state as the engine keeps it: token ids, how many are in the KV cache, status, timestamps.
+
+(`SequenceState`, not `Sequence`: that name is collections.abc's. What the sampler needs of a
+sequence, its generator and penalty counts, the model runner keeps: sampler.SamplingState.)"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    import torch
+
+def seq_id(request_id: str, index: int) -> str:
+    """Sequence `index` of a request (n > 1 has several): "<request id>#<index>"."""
+    return f"{request_id}#{index}"
 
 
 class SeqStatus(enum.Enum):
@@ -20,9 +25,10 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One generated continuation. A request with n > 1 has n sequences (`index` 0..n-1); they
-    share the prompt's blocks after the prompt is computed once (fork)."""
+class SequenceState:
+    """One generated continuation. A request with n > 1 has n sequences (`index` 0..n-1); sequence 0
+    computes the prompt, then the others fork from it (sharing the prompt's blocks) and sample their
+    first token from its logits."""
 
     seq_id: str
     request_id: str
@@ -35,8 +41,6 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     pending_forks: int = 0  # children to fork once the prompt is computed (n > 1)
-    generator: torch.Generator | None = None
-    output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
     detok: Any = None  # tokenizer.IncrementalDetokenizer
     matcher: Any = None  # llguidance.LLMatcher: structured output's grammar state (structured.py)
     num_preemptions: int = 0
@@ -65,6 +69,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def fork_ids(self) -> list[tuple[str, int]]:
+        """(seq id, index) of the children still to fork from this sequence."""
+        return [(seq_id(self.request_id, i), i) for i in range(self.index + 1, self.index + 1 + self.pending_forks)]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -1,20 +1,64 @@
-"""Logits → next tokens, per row with that row's SamplingParams.
+"""Logits → next tokens, per row with that row's SamplingParams; run by the model runner.
 
 Order (as vLLM): logprobs are taken from the raw logits; then penalties (repetition over prompt
 and output, HF style; presence/frequency over output only), logit_bias, min_tokens masking, the
-structured-output grammar's mask (structured.py), then greedy
+structured-output grammar's bitmask (computed engine-side, structured.py), then greedy
 argmax, or temperature → top-k → top-p → min-p → a draw. A row with a seed draws from its own
 generator, so its samples do not depend on what else is in the batch.
+
+What a sequence's sampling depends on besides its params (its generator, the tokens it has seen,
+how many it produced) is a `SamplingState` the runner keeps per sequence (vLLM's
+CachedRequestState): made when the scheduler first hands the sequence over, advanced by each
+token sampled here, dropped when the sequence ends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .request import Sequence
-from .structured import apply_masks
+from .sampling_params import SamplingParams
+from .structured import apply_bitmask
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """One sequence's sampling inputs beyond its params."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seen: set[int] | None  # prompt and output ids (repetition_penalty only)
+    output_counts: dict[int, int] = field(default_factory=dict)  # for presence/frequency penalties
+    num_output: int = 0
+    structured: bool = False  # a grammar masks its rows (the step's bitmask has a row for it)
+    num_prompt: int = 0
+    prompt_ids: list[int] | None = None  # kept when prompt_logprobs are asked for
+
+    @classmethod
+    def new(cls, params: SamplingParams, index: int, prompt_ids: list[int], device: torch.device) -> SamplingState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed + index)
+        return cls(params, generator, set(prompt_ids) if params.repetition_penalty != 1.0 else None,
+                   structured=params.structured_outputs is not None, num_prompt=len(prompt_ids),
+                   prompt_ids=prompt_ids if params.prompt_logprobs is not None else None)
+
+    def fork(self, index: int, device: torch.device) -> SamplingState:
+        """A child's state (n > 1): the same prompt, its own generator (seed + index)."""
+        child = SamplingState.new(self.params, index, [], device)
+        child.seen = None if self.seen is None else set(self.seen)
+        child.num_prompt, child.prompt_ids = self.num_prompt, self.prompt_ids
+        return child
+
+    def append(self, token: int) -> None:
+        self.num_output += 1
+        if self.seen is not None:
+            self.seen.add(token)
+        p = self.params
+        if p.presence_penalty or p.frequency_penalty:
+            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
 
 @dataclass
@@ -26,8 +70,10 @@ class SampleResult:
     top_logprobs: dict[int, float] | None = None
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[SampleResult]:
-    """One token for each row of `logits` ([M, V] float32), row i belonging to seqs[i]."""
+def sample(logits: torch.Tensor, seqs: list[SamplingState], eos_ids: tuple[int, ...],
+           grammar: tuple[list[int], torch.Tensor] | None = None) -> list[SampleResult]:
+    """One token for each row of `logits` ([M, V] float32), row i belonging to seqs[i]; each state
+    is advanced by its token. `grammar`: (for each constrained row, its row of the bitmask; the bitmask)."""
     logprobs = None
     want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if want_lp:
@@ -42,11 +88,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
         if bool(bad.any()):
             processed[bad] = logits[bad]
     logits = processed
-    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    constrained = [i for i, s in enumerate(seqs) if s.structured]
     if constrained:  # structured output: only what each grammar allows now
+        assert grammar is not None and len(grammar[0]) == len(constrained)
         if logits is raw:
             logits = logits.clone()
-        apply_masks(logits, constrained, [seqs[i].matcher for i in constrained], eos_ids[0] if eos_ids else None)
+        bitmask_rows, bitmask = grammar
+        apply_bitmask(logits, constrained, bitmask[torch.tensor(bitmask_rows)], eos_ids[0] if eos_ids else None)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     if len(greedy) == len(seqs):
@@ -58,6 +106,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
         random_rows = [i for i in range(len(seqs)) if not seqs[i].params.greedy]
         _sample_rows(logits, seqs, random_rows, chosen)
     ids = chosen.tolist()
+    for state, t in zip(seqs, ids):
+        state.append(t)
     results = [SampleResult(t) for t in ids]
     if logprobs is not None:
         for i in want_lp:
@@ -70,7 +120,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     return results
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, seqs: list[SamplingState], eos_ids: tuple[int, ...]) -> torch.Tensor:
     cloned = False
     for i, s in enumerate(seqs):
         p = s.params
@@ -83,7 +133,8 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[
             cloned = True
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            idx = torch.tensor(sorted(set(s.token_ids)), device=logits.device)
+            assert s.seen is not None
+            idx = torch.tensor(sorted(s.seen), device=logits.device)
             vals = row[idx]
             row[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and s.output_counts:
@@ -100,7 +151,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], chosen: torch.Tensor) -> None:
+def _sample_rows(logits: torch.Tensor, seqs: list[SamplingState], rows: list[int], chosen: torch.Tensor) -> None:
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
     x = logits[idx]

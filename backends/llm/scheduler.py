@@ -22,8 +22,8 @@ from collections import deque
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
-from .request import SeqStatus, Sequence
-from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .request import SeqStatus, SequenceState
+from .scheduler_output import NewSequence, ScheduledSeq, SchedulerOutput
 
 
 class Scheduler:
@@ -32,17 +32,18 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self.swapped: deque[SequenceState] = deque()
         self.num_preemptions = 0
+        self._finished: list[str] = []  # ended since the last step: the runner drops their state
         self.by_priority = config.scheduling_policy == "priority"
 
     @staticmethod
-    def _rank(seq: Sequence) -> tuple[int, float]:
+    def _rank(seq: SequenceState) -> tuple[int, float]:
         return seq.params.priority, seq.arrival_time
 
-    def _wait(self, seq: Sequence, front: bool = False) -> None:
+    def _wait(self, seq: SequenceState, front: bool = False) -> None:
         """Queue `seq` to wait: at the back (a preempted one at the front), or, by priority, in
         (priority, arrival) order."""
         seq.status = SeqStatus.WAITING
@@ -54,10 +55,10 @@ class Scheduler:
         else:
             self.waiting.append(seq)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self._wait(seq)
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: SequenceState) -> None:
         """A forked child joins the running queue directly (its blocks are shared already)."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -65,7 +66,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: SequenceState, reason: str) -> None:
         """Remove a sequence from whatever queue holds it and free its blocks at once."""
         if seq.status is SeqStatus.FINISHED:
             return
@@ -76,12 +77,14 @@ class Scheduler:
         elif seq.status is SeqStatus.SWAPPED:
             self.swapped.remove(seq)
         self.kv.free(seq.seq_id)
+        self._finished.append(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_seq_ids=self._finished)
+        self._finished = []
         if self.by_priority:
             self._preempt_for_priority(out)
         budget = self.config.max_num_batched_tokens
@@ -190,28 +193,31 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed = num_cached
             seq.status = SeqStatus.RUNNING
-            if seq.first_scheduled_time is None:
+            if seq.first_scheduled_time is None:  # its first step: the runner meets it
                 seq.first_scheduled_time = time.monotonic()
+                out.new_seqs.append(NewSequence(seq.seq_id, seq.index, seq.prompt_ids, seq.params))
             self.running.append(seq)
             seats += 1 + seq.pending_forks
             self._emit(seq, num_new, out)
             budget -= num_new
 
-    def _emit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _emit(self, seq: SequenceState, num_new: int, out: SchedulerOutput) -> None:
         start = seq.num_computed
+        sample = start + num_new == len(seq.token_ids)
         out.scheduled.append(
             ScheduledSeq(
                 seq_id=seq.seq_id,
                 token_ids=seq.token_ids[start : start + num_new],
                 start_pos=start,
                 block_table=list(self.kv.block_table(seq.seq_id)),
-                sample=start + num_new == len(seq.token_ids),
+                sample=sample,
                 prompt_logprobs=seq.wants_prompt_logprobs and start < seq.num_prompt,
+                forks=seq.fork_ids if sample else [],
             )
         )
         seq.num_computed = start + num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
+    def _preempt(self, seq: SequenceState, out: SchedulerOutput, swap: bool = True) -> None:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq.seq_id)

@@ -6,6 +6,22 @@ The scheduler never touches tensors; the model runner never touches queues.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class NewSequence:
+    """A sequence the model runner has not seen: what its sampler needs (vLLM's NewRequestData)."""
+
+    seq_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass
@@ -18,14 +34,30 @@ class ScheduledSeq:
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     prompt_logprobs: bool = False  # return the log-softmax of every row of this chunk
+    # n > 1: (seq id, index) of the children that sample their first token from this row too, after
+    # this sequence (they share its prompt; the runner starts their sampler state from its own)
+    forks: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class GrammarBitmask:
+    """Structured output's allowed tokens for this step, computed engine-side from each sequence's
+    grammar state (structured.py): bit t of row i set = token t allowed for `seq_ids[i]` (vLLM's
+    grammar bitmask). A forking row's children start in the same grammar state: they use its row."""
+
+    seq_ids: list[str]
+    bitmask: torch.Tensor  # [len(seq_ids), ceil(vocab / 32)] int32
 
 
 @dataclass
 class SchedulerOutput:
     """The step's batch plus the block moves the runner performs before the forward, in order:
-    swap out, copy (copy-on-write after a fork), swap in."""
+    swap out, copy (copy-on-write after a fork), swap in; and, for the runner's per-sequence state,
+    the sequences it meets for the first time and those that ended since the last step."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
@@ -37,4 +69,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.finished_seq_ids)

@@ -113,12 +113,17 @@ class GrammarCompiler:
         return llguidance.LLMatcher(self.tokenizer, spec.grammar())
 
 
-def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[Any], eos_id: int | None) -> None:
-    """Mask `logits` rows (in place) to the tokens each row's matcher allows now. A row left with no
-    allowed token (its grammar is done and min_tokens hides EOS, say) keeps EOS, so it ends."""
-    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[-1])
+def grammar_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+    """The tokens each matcher allows now, one bitmask row per matcher ([len, ceil(vocab / 32)] int32)."""
+    bitmask = llg_torch.allocate_token_bitmask(len(matchers), vocab_size)
     for j, matcher in enumerate(matchers):
         llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, eos_id: int | None) -> None:
+    """Mask `logits` rows (in place) to the tokens their bitmask rows allow. A row left with no
+    allowed token (its grammar is done and min_tokens hides EOS, say) keeps EOS, so it ends."""
     index = torch.tensor(rows, device=logits.device)
     sub = logits[index]
     llg_torch.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pier.backends.llm.config import EngineConfig
 from pier.backends.llm.kv_cache import KVCacheManager
-from pier.backends.llm.request import SeqStatus, Sequence
+from pier.backends.llm.request import SeqStatus
+from pier.backends.llm.request import SequenceState as Sequence
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.scheduler import Scheduler
 
