@@ -55,7 +55,7 @@ class EngineFacts:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
         return cls(engine.max_model_len, engine.model_config.vocab_size, dict(engine.generation_defaults),
-                   engine.config.max_tokens_cap, engine.cache_config_info())
+                   engine.config.model.max_tokens_cap, engine.cache_config_info())
 
 
 class EngineClient(abc.ABC):

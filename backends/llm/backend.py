@@ -143,7 +143,7 @@ class LLMInstance(ModelInstance):
                               f"{', '.join(llm.TOOL_CALL_PARSERS)}")
         self._dead_error = EngineDeadError
         try:
-            in_process = EngineConfig.from_parameters(params, **overrides).engine_core == "thread"
+            in_process = EngineConfig.from_parameters(params, **overrides).parallel.engine_core == "thread"
             self.engine: EngineClient
             if in_process:
                 self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)

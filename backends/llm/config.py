@@ -1,10 +1,19 @@
-"""Engine settings, parsed once from the model config's `parameters` map (all strings)."""
+"""Engine settings, parsed once from the model config's `parameters` map (all strings).
+
+Grouped as vLLM's VllmConfig groups them: `ModelConfig` (what runs and how it answers),
+`CacheConfig` (the paged KV cache), `SchedulerConfig` (what runs together), `ParallelConfig` (where
+the engine runs: the device, its threads, its own process or a thread; tensor-parallel ranks will
+join it). Each part is handed to the component that needs it. The config.pbtxt parameters stay flat
+(vLLM's engine arguments are too): `EngineConfig(block_size=8, ...)` and `from_parameters` route each
+setting to its group, and `config.block_size` reads it from there.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from pier.contract.backend import MAX_THREADS
 
@@ -14,76 +23,151 @@ _ATTENTION = ("auto", "torch")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine needs besides the model folder.
-
-    KV memory: `kv_cache_memory_bytes` wins when set; otherwise on CUDA the pool takes
-    `gpu_memory_utilization` of the device memory minus what the weights use, and on CPU a
-    default of 512 MiB. `max_num_batched_tokens` is the per-step token budget (prefill chunks
-    plus one token per decode). `max_model_len` None means the model's own limit.
-    """
+class ModelConfig:
+    """The model as served: its folder (None: the version folder), dtype, context and answer defaults."""
 
     model_path: Path | None = None
     dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    # "fcfs": first come, first served; "priority": requests' `priority` first (lower value first,
-    # ties by arrival), and the preemption victim is the lowest priority, latest arrival (vLLM's).
-    scheduling_policy: str = "fcfs"
+    max_model_len: int | None = None  # None: the model's own limit
     # "auto": the model folder's generation_config.json supplies sampling defaults (temperature,
     # top_p, top_k, min_p, repetition_penalty) and max_new_tokens as the default max_tokens, as
     # vLLM's --generation-config auto; "vllm": ignore it.
     generation_config: str = "auto"
     max_tokens_cap: int | None = None  # the most max_tokens a request may ask for (more is a 400)
-    swap_space_bytes: int = 0
-    max_model_len: int | None = None
-    num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
     # "auto": the compiled CPU kernels (decode attention, RMSNorm, SiLU * up, RoPE + K/V write) on
     # CPU in float32 (built on first use, see kernels.py), the torch path otherwise; "torch": always torch.
     attention: str = "auto"
     seed: int = 0
-    # "process": the engine steps in a process of its own (engine_core.py; the server keeps HTTP,
-    # gRPC, tokenization and streaming), so the two do not share one interpreter lock, and a crash
-    # of the engine takes down only this model; "thread": on a thread of the server's process.
-    engine_core: str = "process"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.preemption_mode not in _PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError("max_tokens_cap must be at least 1")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.engine_core not in ("process", "thread"):
-            raise ValueError(f"engine_core must be 'process' or 'thread', got {self.engine_core!r}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"attention must be 'auto' or 'torch', got {self.attention!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV memory: `kv_cache_memory_bytes` wins when set; otherwise on CUDA the pool takes
+    `gpu_memory_utilization` of the device memory minus what the weights use, and on CPU a default
+    of 512 MiB. `swap_space_bytes`: the CPU area preemption_mode "swap" copies blocks to."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0
+
+    def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.swap_space_bytes < 0:
             raise ValueError("swap_space_bytes must be non-negative")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError("max_model_len must be at least 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`max_num_batched_tokens` is the per-step token budget (prefill chunks plus one token per decode)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # "fcfs": first come, first served; "priority": requests' `priority` first (lower value first,
+    # ties by arrival), and the preemption victim is the lowest priority, latest arrival (vLLM's).
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the engine runs."""
+
+    device: str = "auto"  # "auto": cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
+    num_threads: int | None = None  # torch intra-op threads for the engine (None: leave torch's setting)
+    # "process": the engine steps in a process of its own (engine_core.py; the server keeps HTTP,
+    # gRPC, tokenization and streaming), so the two do not share one interpreter lock, and a crash
+    # of the engine takes down only this model; "thread": on a thread of the server's process.
+    engine_core: str = "process"
+
+    def __post_init__(self) -> None:
+        if self.engine_core not in ("process", "thread"):
+            raise ValueError(f"engine_core must be 'process' or 'thread', got {self.engine_core!r}")
         if self.num_threads is not None and not 1 <= self.num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be between 1 and {MAX_THREADS}")
+
+
+_GROUPS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                            "parallel": ParallelConfig}
+_GROUP_OF = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
+
+
+class EngineConfig:
+    """Everything the engine needs besides the model folder: its four groups (vLLM's VllmConfig).
+
+    Built from flat settings (`EngineConfig(block_size=8, dtype="float32")`; TypeError for a name no
+    group has) or from the groups; a flat name reads through to its group. Immutable."""
+
+    __slots__ = tuple(_GROUPS)
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+    def __init__(self, model: ModelConfig | None = None, cache: CacheConfig | None = None,
+                 scheduler: SchedulerConfig | None = None, parallel: ParallelConfig | None = None,
+                 **settings: Any) -> None:
+        given = {"model": model, "cache": cache, "scheduler": scheduler, "parallel": parallel}
+        unknown = sorted(set(settings) - set(_GROUP_OF))
+        if unknown:
+            raise TypeError(f"unknown engine settings: {', '.join(unknown)}")
+        for group, cls in _GROUPS.items():
+            mine = {k: v for k, v in settings.items() if _GROUP_OF[k] == group}
+            value = given[group]
+            if value is None:
+                value = cls(**mine)
+            elif mine:
+                raise TypeError(f"{', '.join(mine)} given both flat and in {group}")
+            object.__setattr__(self, group, value)
+
+    def __getattr__(self, name: str) -> Any:
+        group = _GROUP_OF.get(name)
+        if group is None:
+            raise AttributeError(f"EngineConfig has no setting {name!r}")
+        return getattr(getattr(self, group), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("EngineConfig is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return EngineConfig, tuple(getattr(self, g) for g in _GROUPS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineConfig) and all(getattr(self, g) == getattr(other, g) for g in _GROUPS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, g) for g in _GROUPS))
+
+    def __repr__(self) -> str:
+        return f"EngineConfig({', '.join(f'{g}={getattr(self, g)!r}' for g in _GROUPS)})"
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], **overrides: object) -> EngineConfig:
@@ -91,10 +175,9 @@ class EngineConfig:
 
         Raises ValueError naming the parameter on a bad value.
         """
-        kwargs: dict[str, object] = {}
-        types = {f.name: f.type for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
         for name, raw in params.items():
-            if name not in types:
+            if name not in _GROUP_OF:
                 continue
             text = str(raw).strip()
             try:
@@ -102,7 +185,7 @@ class EngineConfig:
             except ValueError:
                 raise ValueError(f"parameter {name}: invalid value {raw!r}") from None
         kwargs.update(overrides)
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs)
 
 
 def _parse(name: str, text: str) -> object:

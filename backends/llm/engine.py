@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import kernels
-from .config import EngineConfig
+from .config import EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner, kv_bytes_per_block
@@ -54,7 +54,7 @@ def _generation_defaults(folder: Path) -> dict[str, Any]:
             if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
 
 
-def _device(cfg: EngineConfig) -> torch.device:
+def _device(cfg: ParallelConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(cfg.device)
@@ -66,37 +66,39 @@ class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         cfg = self.config
-        folder = Path(cfg.model_path or model_dir)
+        model, cache, sched, par = cfg.model, cfg.cache, cfg.scheduler, cfg.parallel
+        folder = Path(model.model_path or model_dir)
         model_cls, self.model_config = registry.resolve(folder)
         self.tokenizer = Tokenizer(folder)
         mc = self.model_config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(model.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
             self.max_model_len = mc.sliding_window  # no sliding-window attention: stay inside the window
-        self.device = _device(cfg)
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        self.model = registry.load_model(folder, model_cls, mc, DTYPES[cfg.dtype], self.device, self.max_model_len + 1)
-        per_block = kv_bytes_per_block(self.model, cfg.block_size)
+        self.device = _device(par)
+        if par.num_threads is not None:
+            torch.set_num_threads(par.num_threads)
+        self.model = registry.load_model(folder, model_cls, mc, DTYPES[model.dtype], self.device,
+                                         self.max_model_len + 1)
+        per_block = kv_bytes_per_block(self.model, cache.block_size)
         num_blocks = self._kv_budget() // per_block
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                 cfg.swap_space_bytes // per_block if cfg.preemption_mode == "swap" else 0)
-        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 cache.swap_space_bytes // per_block if sched.preemption_mode == "swap" else 0)
+        self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
         ops = None
-        if (cfg.attention == "auto" and self.device.type == "cpu" and cfg.dtype == "float32"
-                and cfg.block_size <= 64 and mc.head_dim % 4 == 0):
+        if (model.attention == "auto" and self.device.type == "cpu" and model.dtype == "float32"
+                and cache.block_size <= 64 and mc.head_dim % 4 == 0):
             ops = kernels.load()
         if ops is not None:
             self.model.use_kernels(ops)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.runner = ModelRunner(self.model, cfg.block_size, num_blocks, self.kv.cpu_pool.num_blocks, self.eos_ids,
+        self.runner = ModelRunner(self.model, cache.block_size, num_blocks, self.kv.cpu_pool.num_blocks, self.eos_ids,
                                   None if ops is None else ops.paged_decode_attention)
         self.scheduler = Scheduler(cfg, self.kv)
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
-        self.generation_defaults = _generation_defaults(folder) if cfg.generation_config == "auto" else {}
+        self.generation_defaults = _generation_defaults(folder) if model.generation_config == "auto" else {}
         self.inputs = InputProcessor(self.tokenizer, self.grammars, self.max_model_len, mc.vocab_size,
-                                     cfg.max_num_seqs, cfg.scheduling_policy == "priority")
+                                     sched.max_num_seqs, sched.scheduling_policy == "priority")
         self.outputs = OutputProcessor(self.tokenizer, self.grammars, self.scheduler, self.kv, self.eos_ids,
                                        self.max_model_len)
         self._requests = self.outputs.requests  # request id -> its sequences
@@ -109,7 +111,7 @@ class LLMEngine:
         return cls(model_dir, EngineConfig.from_parameters(parameters, **overrides))
 
     def _kv_budget(self) -> int:
-        cfg = self.config
+        cfg = self.config.cache
         if cfg.kv_cache_memory_bytes is not None:
             return cfg.kv_cache_memory_bytes
         if self.device.type == "cuda":
@@ -174,8 +176,8 @@ class LLMEngine:
     def cache_config_info(self) -> dict[str, str]:
         """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
         inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""
-        cfg = self.config
-        return {"block_size": str(cfg.block_size), "cache_dtype": cfg.dtype,
+        cfg = self.config.cache
+        return {"block_size": str(cfg.block_size), "cache_dtype": self.config.model.dtype,
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),

@@ -30,14 +30,14 @@ class Scheduler:
     """Owns the waiting / running / swapped queues and the KV block accounting."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
-        self.config = config
+        self.config = config.scheduler
         self.kv = kv
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.swapped: deque[SequenceState] = deque()
         self.num_preemptions = 0
         self._finished: list[str] = []  # ended since the last step: the runner drops their state
-        self.by_priority = config.scheduling_policy == "priority"
+        self.by_priority = self.config.scheduling_policy == "priority"
 
     @staticmethod
     def _rank(seq: SequenceState) -> tuple[int, float]:

@@ -42,3 +42,22 @@ def test_engine_from_parameters_and_limits(llama_dir):
     with pytest.raises(ValueError, match="already"):
         eng.add_request("z", "again")
     assert eng.tokenizer.decode(eng._requests["z"][0].prompt_ids) == "hello there"
+
+
+def test_settings_are_grouped_as_vllm_groups_them(llama_dir):
+    from pier.backends.llm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+    cfg = EngineConfig.from_parameters({"block_size": "8", "max_num_seqs": "4", "dtype": "float32",
+                                        "engine_core": "thread", "device": "cpu"})
+    assert cfg.cache == CacheConfig(block_size=8) and cfg.scheduler == SchedulerConfig(max_num_seqs=4)
+    assert cfg.model == ModelConfig() and cfg.parallel == ParallelConfig(device="cpu", engine_core="thread")
+    assert cfg == EngineConfig(cache=CacheConfig(block_size=8), scheduler=SchedulerConfig(max_num_seqs=4),
+                               parallel=ParallelConfig(device="cpu", engine_core="thread"))
+    with pytest.raises(TypeError, match="unknown engine settings: blocksize"):
+        EngineConfig(blocksize=8)
+    with pytest.raises(TypeError, match="block_size given both flat and in cache"):
+        EngineConfig(cache=CacheConfig(), block_size=8)
+    with pytest.raises(AttributeError):
+        cfg.block_size = 4  # type: ignore[misc]
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=64 * 2048, block_size=4, max_num_seqs=3))
+    assert eng.scheduler.config == SchedulerConfig(max_num_seqs=3) and eng.runner.block_size == 4
