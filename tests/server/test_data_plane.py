@@ -9,54 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from pier.contract.errors import ErrorCode, PierError
-from pier.contract.types import InferenceRequest, Outputs, RequestedOutput
+from pier.contract.types import ExecuteResult, InferenceRequest, RequestedOutput
 from pier.dataplane.plane import DataPlane
 from pier.lifecycle.routing import Route, RoutingTable
-from tests.server.toy import Toy, load, outputs, serve, tensor
+from tests.server.toy import Toy, counter, load, outputs, serve, tensor
 
 ECHO = """name: "echo" backend: "onnxruntime" max_batch_size: 0
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 3 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 3 ] }, { name: "NEG" data_type: TYPE_FP32 dims: [ 3 ] },
          { name: "TWICE" data_type: TYPE_FP32 dims: [ 3 ] } ]
 """
-COUNTDOWN = """name: "countdown" backend: "onnxruntime" max_batch_size: 0
+COUNTER = """name: "counter" backend: "onnxruntime" max_batch_size: 0
 model_transaction_policy { decoupled: true }
 input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "LEFT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
 
-def echo(request: InferenceRequest) -> Outputs:
+def echo(request: InferenceRequest) -> ExecuteResult:
     x = request.inputs[0].data
     if x[0] < 0:
-        return PierError(ErrorCode.INTERNAL, "the model refuses negative numbers")  # type: ignore[return-value]
+        return PierError(ErrorCode.INTERNAL, "the model refuses negative numbers")
     return outputs(tensor("Y", x), tensor("NEG", -x), tensor("TWICE", 2 * x))
-
-
-def countdown(request: InferenceRequest) -> Outputs:
-    """N responses N-1 ... 0, then the final flag alone; N < 0: an error in-band; N = 1000: as
-    many as it can until the request is cancelled."""
-    sink = request.response_sink
-    assert sink is not None
-    n = int(request.inputs[0].data[0])
-    if n < 0:
-        sink(PierError(ErrorCode.INVALID_ARG, "cannot count down from below zero"), True)
-        return Outputs([])
-    sent = 0
-    while sent < n and not request.cancelled:
-        sink(outputs(tensor("LEFT", [n - 1 - sent], "INT32")), False)
-        sent += 1
-        if n == 1000:
-            time.sleep(0.001)
-    request.parameters["sent"] = sent
-    sink(None, True)
-    return Outputs([])
 
 
 def _request(model: str, values: list, datatype: str = "FP32", name: str = "X") -> InferenceRequest:
@@ -126,22 +105,22 @@ def test_requested_outputs_come_in_the_order_asked_and_classified_when_asked() -
 def test_a_decoupled_model_streams_in_order_with_the_final_flag_and_errors_in_band() -> None:
     async def main() -> None:
         routes = RoutingTable()
-        model = load(COUNTDOWN, Toy(countdown))
+        model = load(COUNTER, Toy(counter("I", "INT32")))
         serve(routes, model)
         plane = DataPlane(routes, strict_readiness=False)
-        with pytest.raises(PierError, match="'countdown' streams") as refused:
-            await plane.infer(_request("countdown", [3], "INT32", "N"))
+        with pytest.raises(PierError, match="'counter' streams") as refused:
+            await plane.infer(_request("counter", [3], "INT32", "N"))
         assert refused.value.code is ErrorCode.UNSUPPORTED
-        stream = [r async for r in plane.infer_stream(_request("countdown", [3], "INT32", "N"))]
-        assert [r.outputs[0].data.tolist() for r in stream[:3]] == [[2], [1], [0]]
+        stream = [r async for r in plane.infer_stream(_request("counter", [3], "INT32", "N"))]
+        assert [r.outputs[0].data.tolist() for r in stream[:3]] == [[0], [1], [2]]
         assert [r.parameters["triton_final_response"] for r in stream] == [False, False, False, True]
         assert stream[3].outputs == []  # the model sent the final flag alone
-        assert [r.outputs[0].data.tolist() async for r in plane.responses(_request("countdown", [2], "INT32", "N"))] \
-            == [[1], [0]]
-        errors = [r async for r in plane.infer_stream(_request("countdown", [-1], "INT32", "N"))]
-        assert len(errors) == 1 and isinstance(errors[0], PierError) and "below zero" in errors[0].message
-        with pytest.raises(PierError, match="below zero"):
-            [r async for r in plane.responses(_request("countdown", [-1], "INT32", "N"))]
+        assert [r.outputs[0].data.tolist() async for r in plane.responses(_request("counter", [2], "INT32", "N"))] \
+            == [[0], [1]]
+        errors = [r async for r in plane.infer_stream(_request("counter", [-1], "INT32", "N"))]
+        assert len(errors) == 1 and isinstance(errors[0], PierError) and "fewer than zero" in errors[0].message
+        with pytest.raises(PierError, match="fewer than zero"):
+            [r async for r in plane.responses(_request("counter", [-1], "INT32", "N"))]
         assert model.stats.first_responses == 2  # requests that got a response with outputs
 
     asyncio.run(main())
@@ -149,12 +128,12 @@ def test_a_decoupled_model_streams_in_order_with_the_final_flag_and_errors_in_ba
 
 def test_closing_a_stream_early_cancels_its_request() -> None:
     async def main() -> None:
-        routes, toy = RoutingTable(), Toy(countdown)
-        serve(routes, load(COUNTDOWN, toy))
+        routes, toy = RoutingTable(), Toy(counter("I", "INT32"))
+        serve(routes, load(COUNTER, toy))
         plane = DataPlane(routes, strict_readiness=False)
-        request = _request("countdown", [1000], "INT32", "N")
+        request = _request("counter", [1000], "INT32", "N")
         stream = plane.responses(request)
-        assert [(await anext(stream)).outputs[0].data.tolist() for _ in range(2)] == [[999], [998]]
+        assert [(await anext(stream)).outputs[0].data.tolist() for _ in range(2)] == [[0], [1]]
         await stream.aclose()  # the client went away
         assert request.cancelled
         await asyncio.wait_for(plane.wait_idle(), 5)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pier.contract.errors import ErrorCode, PierError
-from pier.contract.types import InferenceRequest, Outputs, RequestedOutput, Tensor
+from pier.contract.types import ExecuteResult, InferenceRequest, RequestedOutput, Tensor
 from pier.dataplane.plane import DataPlane
 from pier.dataplane.response_cache import ResponseCache, parse_cache_config
 from pier.lifecycle.routing import RoutingTable
@@ -87,10 +87,10 @@ def test_cache_config_flags() -> None:
             parse_cache_config([item])
 
 
-def _adder(request: InferenceRequest) -> Outputs:
+def _adder(request: InferenceRequest) -> ExecuteResult:
     a, b = (t.data for t in request.inputs)
     if a[0] < 0:
-        return PierError(ErrorCode.INTERNAL, "negative")  # type: ignore[return-value]
+        return PierError(ErrorCode.INTERNAL, "negative")
     return outputs(tensor("SUM", a + b))
 
 

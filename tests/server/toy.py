@@ -6,11 +6,13 @@ cycle would publish them. No server process, no model files."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pier.contract.backend import ModelInstance
+from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import ExecuteResult, InferenceRequest, Outputs, Tensor
 from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model
 from pier.lifecycle.routing import Route, RoutingTable
@@ -78,3 +80,27 @@ def tensor(name: str, values: object, datatype: str = "FP32") -> Tensor:
 
 def outputs(*tensors: Tensor) -> Outputs:
     return Outputs(list(tensors))
+
+
+def counter(output: str, datatype: str = "FP32", width: int = 1) -> Answer:
+    """A decoupled model's execute: N (its first input's first element) responses `output` = [i] *
+    `width` for i = 0 ... N-1 through the request's sink, then the final flag alone; N < 0: an
+    error in-band; N >= 1000: one a millisecond until the request is cancelled. How many it sent
+    goes into the request's parameters["sent"]."""
+    def count(request: InferenceRequest) -> ExecuteResult:
+        sink = request.response_sink
+        assert sink is not None, "a decoupled model's request carries a response sink"
+        n = int(request.inputs[0].data.flat[0])
+        if n < 0:
+            sink(PierError(ErrorCode.INVALID_ARG, "cannot count fewer than zero responses"), True)
+            return Outputs([])
+        sent = 0
+        while sent < n and not request.cancelled:
+            sink(outputs(tensor(output, [sent] * width, datatype)), False)
+            sent += 1
+            if n >= 1000:
+                time.sleep(0.001)
+        request.parameters["sent"] = sent
+        sink(None, True)
+        return Outputs([])
+    return count
