@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from pier.backends.python.process import Launch
+from pier.backends.python.process import StubCommand
 from pier.contract.errors import PierError, invalid_arg, unavailable
 
 ENV_PARAMETER = "EXECUTION_ENV_PATH"
@@ -105,7 +105,7 @@ def _unpack(tarball: Path, target: Path) -> None:
         (target / _MARKER).write_text(version)
 
 
-def launch_for(raw: str, model: str, model_dir: Path) -> Launch:
+def launch_for(raw: str, model: str, model_dir: Path) -> StubCommand:
     """The stub command for a model whose EXECUTION_ENV_PATH is `raw` (unpacking it if needed)."""
     tarball = tarball_path(raw, model_dir)
     if not tarball.is_file():
@@ -134,4 +134,4 @@ def launch_for(raw: str, model: str, model_dir: Path) -> Launch:
     env["LD_LIBRARY_PATH"] = f"{target / 'lib'}{os.pathsep}{env['LD_LIBRARY_PATH']}" \
         if env.get("LD_LIBRARY_PATH") else str(target / "lib")
     env["PYTHONUNBUFFERED"] = "1"
-    return Launch((str(python), "-c", _BOOTSTRAP.format(paths=_stub_paths())), env)
+    return StubCommand((str(python), "-c", _BOOTSTRAP.format(paths=_stub_paths())), env)

@@ -1,10 +1,13 @@
-"""Messages between Pier's processes: the server and a Python model's stub process
-(backends/python/stub.py), and the server and its frontend processes (pier.frontends.workers).
+"""The channel between Pier's processes that carry tensors: the server and a Python model's stub
+process (backends/python/stub.py), and the server and its frontend processes
+(pier.frontends.workers).
 
 Transport: a `socketpair(AF_UNIX, SOCK_SEQPACKET)` the child inherits (no name on any file
 system, nothing another process can connect to): every `send` is one whole message, so threads
 may send on one end at once without a lock, and a peer that is gone reads as end-of-file. A
-message is a msgpack list (msgspec) whose first item names its kind. Tensor bytes up to
+message is msgpack (msgspec): a protocol's typed Message (pier.ipc.messages), which a Receiver
+given that protocol's Codec decodes, or any msgpack value for a Receiver without one. Tensor
+bytes up to
 `INLINE_BYTES` per message travel inside it. Larger ones take shared memory that a crash cannot
 leave behind (memfds: anonymous files, no /dev/shm name; the kernel frees them with the last
 descriptor and mapping): on the exec channel, where one batch or result is outstanding at a
@@ -21,7 +24,6 @@ import mmap
 import os
 import socket
 import struct
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -29,6 +31,8 @@ import numpy as np
 
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InferenceResponse, Outputs, RequestedOutput, Tensor
+from pier.ipc.messages import ENCODER, Codec
+from pier.ipc.messages import encode as encode  # a message's bytes, for send_encoded
 
 INLINE_BYTES = 64 * 1024  # tensor bytes a message carries itself; the rest go through a memfd
 MAX_MESSAGE = 128 * 1024  # a longer encoded message moves into the memfd as well
@@ -41,19 +45,7 @@ _FD_SPACE = socket.CMSG_SPACE(4 * 4)
 
 _INLINE, _SHARED, _STRINGS = 0, 1, 2
 
-
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, bytes):
-        return bytes(obj)
-    if isinstance(obj, str):
-        return str(obj)
-    raise TypeError(f"cannot send a {type(obj).__name__} in a BYTES tensor")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_decoder = msgspec.msgpack.Decoder()
+_plain = msgspec.msgpack.Decoder()  # a Receiver without a protocol
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -161,17 +153,11 @@ def _rights(fd: int) -> list[tuple[int, int, bytes]]:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
 
 
-def encode(message: list[Any]) -> bytes:
-    """A message's msgpack bytes, for `send_encoded` (raises TypeError or msgspec.EncodeError for
-    what a message cannot carry)."""
-    return _encoder.encode(message)
-
-
-def send(sock: socket.socket, message: list[Any], packer: Packer | None = None, flags: int = 0,
+def send(sock: socket.socket, message: Any, packer: Packer | None = None, flags: int = 0,
          arena: Arena | None = None) -> None:
     """Send one message (raises OSError when the peer is gone). With `arena`, large tensors go
     there (see Arena), else into a memfd of this message's own."""
-    send_encoded(sock, _encoder.encode(message), packer, flags, arena)
+    send_encoded(sock, ENCODER.encode(message), packer, flags, arena)
 
 
 def send_encoded(sock: socket.socket, header: bytes, packer: Packer | None = None, flags: int = 0,
@@ -211,15 +197,18 @@ def _map(fd: int) -> mmap.mmap:
 
 
 class Receiver:
-    """The receiving side of one channel end (one thread at a time)."""
+    """The receiving side of one channel end (one thread at a time). With `codec`, messages are
+    that protocol's typed Messages, and one that is not raises pier.ipc.messages.BadMessage (the
+    channel stays usable); without, they are plain msgpack values."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, codec: Codec[Any] | None = None) -> None:
         self.sock = sock
         self._buffer = bytearray(_RECV_BUFFER)
         self._view = memoryview(self._buffer)
         self._arena: Borrowed | None = None
+        self._decode = codec.decode if codec is not None else _plain.decode
 
-    def recv(self, flags: int = 0) -> tuple[list[Any], Source] | None:
+    def recv(self, flags: int = 0) -> tuple[Any, Source] | None:
         """The next message and where its large tensors are; None at end-of-file."""
         n, ancdata, msg_flags, _ = self.sock.recvmsg_into([self._view], _FD_SPACE, flags)
         fds: list[int] = []
@@ -242,95 +231,157 @@ class Receiver:
             assert mapping is not None
             self._arena = Borrowed(mapping)
         if first in (_IN_ARENA[0], _NEW_ARENA[0]):
-            return _decoder.decode(self._view[1:n]), self._arena
+            return self._decode(self._view[1:n]), self._arena
         if first == 0:  # the header itself is in the memfd
             offset, length = _BIG_HEADER.unpack_from(self._buffer)
             assert mapping is not None
-            return _decoder.decode(memoryview(mapping)[offset:offset + length]), mapping
-        return _decoder.decode(self._view[:n]), mapping
+            return self._decode(memoryview(mapping)[offset:offset + length]), mapping
+        return self._decode(self._view[:n]), mapping
 
 
 # ---- tensors, requests, responses, results --------------------------------------------------
+# The Wire* structs are fields of the protocols' messages; each encodes as a msgpack array.
 
-def tensor_out(t: Tensor, packer: Packer) -> list[Any]:
+class WireTensor(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    """A tensor: BYTES elements listed (`where` _STRINGS), other bytes inline (`payload` the bytes)
+    or in the message's shared memory (`payload` the offset)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array_shape: list[int]
+    dtype: str
+    where: int
+    payload: int | bytes | list[Any]
+    parameters: dict[str, Any]
+
+
+class WireOutput(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    name: str
+    parameters: dict[str, Any]
+
+
+class WireRequest(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    """An InferenceRequest; `rid` the sender's id for it, `has_sink` whether it streams responses."""
+
+    rid: int
+    model: str
+    version: str
+    id: str
+    parameters: dict[str, Any]
+    outputs: list[WireOutput]
+    inputs: list[WireTensor]
+    has_sink: bool
+
+
+class WireError(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=1):
+    code: str
+    message: str
+
+
+class WireOutputs(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=0):
+    """What an execute gives one request (contract.types.Outputs)."""
+
+    tensors: list[WireTensor]
+    parameters: dict[str, Any]
+    reschedule: bool
+
+
+class WireResponse(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=0):
+    model: str
+    version: str
+    id: str
+    parameters: dict[str, Any]
+    outputs: list[WireTensor]
+
+
+WireResult = WireOutputs | WireError
+WireAnswer = WireResponse | WireError
+
+
+def tensor_out(t: Tensor, packer: Packer) -> WireTensor:
     data = t.data
     if data.dtype == np.object_ or t.datatype == "BYTES":
-        return [t.name, t.datatype, list(t.shape), list(data.shape), "", _STRINGS, data.reshape(-1).tolist(),
-                t.parameters]
+        return WireTensor(t.name, t.datatype, list(t.shape), list(data.shape), "", _STRINGS, data.reshape(-1).tolist(),
+                          t.parameters)
     data = np.ascontiguousarray(data)
     where, payload = packer.place(data)
-    return [t.name, t.datatype, list(t.shape), list(data.shape), data.dtype.str, where, payload, t.parameters]
+    return WireTensor(t.name, t.datatype, list(t.shape), list(data.shape), data.dtype.str, where, payload, t.parameters)
 
 
-def tensor_in(w: list[Any], mapping: Source) -> Tensor:
-    name, datatype, shape, array_shape, dtype, where, payload, params = w
-    if where == _STRINGS:
-        flat = np.empty(len(payload), dtype=np.object_)
+def tensor_in(w: WireTensor | list[Any], mapping: Source) -> Tensor:
+    """`w` as a protocol's message carries it, or as a plain list (a Receiver without a protocol)."""
+    if w.__class__ is list:
+        w = WireTensor(*w)
+    assert isinstance(w, WireTensor)
+    where, payload = w.where, w.payload
+    if where == _INLINE:  # the hot path: a string dtype costs frombuffer less than an np.dtype of it
+        data = np.frombuffer(payload, dtype=w.dtype).reshape(w.array_shape)  # type: ignore[arg-type]
+    elif where == _STRINGS:
+        flat = np.empty(len(payload), dtype=np.object_)  # type: ignore[arg-type]
         flat[:] = payload
-        return Tensor(name, datatype, shape, flat.reshape(array_shape), params)
-    dt = np.dtype(dtype)
-    if where == _INLINE:
-        data = np.frombuffer(payload, dtype=dt).reshape(array_shape)
-    elif isinstance(mapping, Borrowed):  # the sender reuses it: a copy of our own
-        count = int(np.prod(array_shape, dtype=np.int64))
-        data = np.frombuffer(mapping.map, dtype=dt, count=count, offset=payload).reshape(array_shape).copy()
-    else:  # this message's own memfd: the mapping lives as long as the array
-        count = int(np.prod(array_shape, dtype=np.int64))
-        data = np.frombuffer(mapping, dtype=dt, count=count, offset=payload).reshape(array_shape)  # type: ignore[arg-type]
-    return Tensor(name, datatype, shape, data, params)
+        data = flat.reshape(w.array_shape)
+    elif not isinstance(payload, int) or mapping is None:
+        raise ValueError(f"tensor '{w.name}': its bytes are in shared memory the message did not bring")
+    else:
+        count = int(np.prod(w.array_shape, dtype=np.int64))
+        if isinstance(mapping, Borrowed):  # the sender reuses it: a copy of our own
+            data = np.frombuffer(mapping.map, dtype=w.dtype, count=count, offset=payload).reshape(w.array_shape).copy()
+        else:  # this message's own memfd: the mapping lives as long as the array
+            data = np.frombuffer(mapping, dtype=w.dtype, count=count,  # type: ignore[call-overload]
+                                 offset=payload).reshape(w.array_shape)
+    return Tensor(w.name, w.datatype, w.shape, data, w.parameters)
 
 
-def error_out(error: PierError) -> list[Any]:
-    return [1, error.code.value, error.message]
+def error_out(error: PierError) -> WireError:
+    return WireError(error.code.value, error.message)
 
 
-def error_in(w: Sequence[Any]) -> PierError:
+def error_in(w: WireError) -> PierError:
     try:
-        code = ErrorCode(w[1])
+        code = ErrorCode(w.code)
     except ValueError:
         code = ErrorCode.INTERNAL
-    return PierError(code, w[2])
+    return PierError(code, w.message)
 
 
-def result_out(result: Outputs | PierError | None, packer: Packer) -> list[Any] | None:
+def result_out(result: Outputs | PierError | None, packer: Packer) -> WireResult | None:
     if result is None:
         return None
     if isinstance(result, PierError):
         return error_out(result)
-    return [0, [tensor_out(t, packer) for t in result.tensors], dict(result.parameters), result.reschedule]
+    return WireOutputs([tensor_out(t, packer) for t in result.tensors], dict(result.parameters), result.reschedule)
 
 
-def result_in(w: list[Any] | None, mapping: Source) -> Outputs | PierError | None:
+def result_in(w: WireResult | None, mapping: Source) -> Outputs | PierError | None:
     if w is None:
         return None
-    if w[0] == 1:
+    if isinstance(w, WireError):
         return error_in(w)
-    return Outputs([tensor_in(t, mapping) for t in w[1]], w[2], w[3])
+    return Outputs([tensor_in(t, mapping) for t in w.tensors], w.parameters, w.reschedule)
 
 
-def request_out(r: InferenceRequest, packer: Packer, rid: int = 0) -> list[Any]:
-    return [rid, r.model_name, r.model_version, r.id, r.parameters, [[o.name, o.parameters] for o in r.outputs],
-            [tensor_out(t, packer) for t in r.inputs], r.response_sink is not None]
+def request_out(r: InferenceRequest, packer: Packer, rid: int = 0) -> WireRequest:
+    return WireRequest(rid, r.model_name, r.model_version, r.id, r.parameters,
+                       [WireOutput(o.name, o.parameters) for o in r.outputs], [tensor_out(t, packer) for t in r.inputs],
+                       r.response_sink is not None)
 
 
-def request_in(w: list[Any], mapping: Source,
-               cls: type[InferenceRequest] = InferenceRequest) -> tuple[int, InferenceRequest, bool]:
-    rid, model, version, rid_text, params, outputs, inputs, has_sink = w
-    request = cls(model, version, [tensor_in(t, mapping) for t in inputs],
-                  [RequestedOutput(n, p) for n, p in outputs], id=rid_text, parameters=params)
-    return rid, request, has_sink
+def request_in(w: WireRequest, mapping: Source, cls: type[InferenceRequest] = InferenceRequest) -> InferenceRequest:
+    return cls(w.model, w.version, [tensor_in(t, mapping) for t in w.inputs],
+               [RequestedOutput(o.name, o.parameters) for o in w.outputs], id=w.id, parameters=w.parameters)
 
 
-def response_out(r: InferenceResponse | PierError | BaseException, packer: Packer) -> list[Any]:
+def response_out(r: InferenceResponse | PierError | BaseException, packer: Packer) -> WireAnswer:
     if isinstance(r, PierError):
         return error_out(r)
     if isinstance(r, BaseException):
-        return [1, ErrorCode.INTERNAL.value, str(r)]
-    return [0, r.model_name, r.model_version, r.id, r.parameters, [tensor_out(t, packer) for t in r.outputs]]
+        return WireError(ErrorCode.INTERNAL.value, str(r))
+    return WireResponse(r.model_name, r.model_version, r.id, r.parameters, [tensor_out(t, packer) for t in r.outputs])
 
 
-def response_in(w: list[Any], mapping: Source) -> InferenceResponse | PierError:
-    if w[0] == 1:
+def response_in(w: WireAnswer, mapping: Source) -> InferenceResponse | PierError:
+    if isinstance(w, WireError):
         return error_in(w)
-    _, model, version, rid, params, outputs = w
-    return InferenceResponse(model, version, [tensor_in(t, mapping) for t in outputs], id=rid, parameters=params)
+    return InferenceResponse(w.model, w.version, [tensor_in(t, mapping) for t in w.outputs], id=w.id,
+                             parameters=w.parameters)

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 
-class Message(msgspec.Struct, array_like=True, tag=True, frozen=True, forbid_unknown_fields=True):
+class Message(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
     """One message of a protocol (subclass it; the class name is the tag). A field too many fails
     as one too few does."""
 

@@ -1,25 +1,12 @@
 """The channel between the server process and one frontend process, on the event loops of both.
 
-One `socketpair(AF_UNIX, SOCK_SEQPACKET)` per frontend, the same transport and message layout as
-the Python backend's stubs (`pier.ipc.channel`): each send is one whole message, tensors over
-64 KiB travel in a memfd the receiver maps (the core's backends read the frontend's tensors in
-place, the frontend encodes the outputs from the core's pages). Both ends are non-blocking and
-read by the loop itself (`add_reader`): no thread between a request and its scheduler.
-
-Messages (msgpack lists, the first item their kind):
-
-    frontend -> server   ADMIT rid model client_key       (the rate limits, before the body is read)
-                         INFER rid protocol received_ns request
-                         REFUND model client_key          (admitted, then relayed: the server admits it)
-                         CANCEL rid                       (its client went away)
-                         READY                            (both ports bound)
-                         FAILED message                   (it could not start)
-    server -> frontend   SETTINGS pickled-Settings socket-paths
-                         ADMITTED rid None|[wait, scope] (None: go on; else a rate limit refused it)
-                         REPLY rid response|error
-                         EXITING                          (the server drains: Connection: close)
-                         STOP                             (close the ports and exit)
-                         LOG settings                     (the logging extension changed them)
+One `socketpair(AF_UNIX, SOCK_SEQPACKET)` per frontend, the same transport as the Python
+backend's stubs (`pier.ipc.channel`): each send is one whole message, tensors over 64 KiB travel
+in a memfd the receiver maps (the core's backends read the frontend's tensors in place, the
+frontend encodes the outputs from the core's pages). Both ends are non-blocking and read by the
+loop itself (`add_reader`): no thread between a request and its scheduler. The messages:
+messages.py; a message that does not decode goes to `on_bad` (pier.ipc.messages.BadMessage,
+which names what it concerns), and the channel reads on.
 """
 
 from __future__ import annotations
@@ -32,37 +19,45 @@ from collections.abc import Callable
 from typing import Any
 
 from pier.ipc import channel as wire
+from pier.ipc.messages import BadMessage, Codec
 
 log = logging.getLogger("pier.frontends")
 
-INFER, CANCEL, READY, FAILED, ADMIT, REFUND = 1, 2, 3, 4, 5, 6
-SETTINGS, REPLY, ADMITTED, EXITING, STOP, LOG = 11, 12, 13, 14, 15, 16
-
-OnMessage = Callable[[list[Any], wire.Source], None]
+OnMessage = Callable[[Any, wire.Source], None]
 OnFailure = Callable[[OSError], None]
 
 
-class Channel:
-    """One end, driven by the running loop: `on_message` for each message, `on_closed` once when
-    the peer is gone (end-of-file, or an error on the socket)."""
+def _log_bad(exc: BadMessage) -> None:
+    log.error("frontend channel: %s", exc)
 
-    def __init__(self, sock: socket.socket, on_message: OnMessage, on_closed: Callable[[], None]) -> None:
+
+class Channel:
+    """One end, driven by the running loop: `on_message` for each message (the protocol's typed
+    Messages with `codec`, plain msgpack values without), `on_bad` for one that does not decode,
+    `on_closed` once when the peer is gone (end-of-file, or an error on the socket)."""
+
+    def __init__(self, sock: socket.socket, on_message: OnMessage, on_closed: Callable[[], None],
+                 codec: Codec[Any] | None = None, on_bad: Callable[[BadMessage], None] = _log_bad) -> None:
         self.sock = sock
         sock.setblocking(False)
-        self._receiver = wire.Receiver(sock)
+        self._receiver = wire.Receiver(sock, codec)
         self._on_message = on_message
+        self._on_bad = on_bad
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
         self._backlog: collections.deque[tuple[bytes, wire.Packer | None, OnFailure | None]] = collections.deque()
         self.closed = False
         self._loop.add_reader(sock.fileno(), self._readable)
 
-    def _readable(self) -> None:
-        for _ in range(256):  # then let the loop run what these messages started
+    def _readable(self, limit: int = 256) -> None:
+        for _ in range(limit):  # then let the loop run what these messages started
             try:
                 got = self._receiver.recv()
             except (BlockingIOError, InterruptedError):
                 return
+            except BadMessage as exc:
+                self._on_bad(exc)
+                continue
             except OSError as exc:
                 log.debug("frontend channel: %s", exc)
                 got = None
@@ -74,7 +69,13 @@ class Channel:
             except Exception:  # one bad message must not stop the channel
                 log.exception("frontend channel: a message failed")
 
-    def send(self, message: list[Any], packer: wire.Packer | None = None,
+    def drain(self) -> None:
+        """Read every message there is now (when the peer is gone: what it sent before still
+        counts; the channel then closes at the end-of-file after them)."""
+        if not self.closed:
+            self._readable(1 << 30)
+
+    def send(self, message: Any, packer: wire.Packer | None = None,
              on_failure: OnFailure | None = None) -> None:
         """Send now, or after the messages before it when the socket's buffer is full; a closed
         channel drops it (its peer is gone, so is whatever would read it). Raises what the message

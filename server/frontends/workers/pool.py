@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import socket
 import subprocess
 import sys
@@ -20,7 +19,9 @@ from pier.contract.types import InferenceResponse
 from pier.dataplane.plane import DataPlane
 from pier.frontends.guards import RateLimiter
 from pier.frontends.workers import channel as ch
+from pier.frontends.workers import messages as fm
 from pier.ipc import channel as wire
+from pier.ipc.messages import BadMessage
 from pier.ipc.processes import exit_cause
 from pier.observability import log_settings
 from pier.settings import Settings
@@ -75,14 +76,13 @@ class FrontendPool:
         self._plane = plane
         self._limiter = limiter
         self._paths = paths
-        self._blob = pickle.dumps(settings)
         self._frontends: dict[int, _Frontend] = {}
         self._restarts: dict[int, list[float]] = {}
         self._stopping = False
         self._exiting = False
-        log_settings.on_change(lambda doc: self._broadcast([ch.LOG, doc]))
+        log_settings.on_change(lambda doc: self._broadcast(fm.LogSettings(doc)))
 
-    def _broadcast(self, message: list[Any]) -> None:
+    def _broadcast(self, message: fm.ToFrontend) -> None:
         for f in self._frontends.values():
             if f.channel is not None:
                 f.channel.send(message)
@@ -107,11 +107,12 @@ class FrontendPool:
         frontend = _Frontend(index, proc, started=loop.create_future())
         self._frontends[index] = frontend
         frontend.channel = ch.Channel(ours, lambda m, s: self._message(frontend, m, s),
-                                      lambda: self._closed(frontend))
-        frontend.channel.send([ch.SETTINGS, self._blob, self._paths])
-        frontend.channel.send([ch.LOG, log_settings.current().as_dict()])  # as changed since startup
+                                      lambda: self._closed(frontend), fm.FROM_FRONTEND,
+                                      lambda exc: self._bad(frontend, exc))
+        frontend.channel.send(fm.Start(self.settings, self._paths))
+        frontend.channel.send(fm.LogSettings(log_settings.current().as_dict()))  # as changed since startup
         if self._exiting:
-            frontend.channel.send([ch.EXITING])
+            frontend.channel.send(fm.Exiting())
         assert frontend.started is not None
         try:
             await asyncio.wait_for(asyncio.shield(frontend.started), START_TIMEOUT_S)
@@ -121,51 +122,57 @@ class FrontendPool:
 
     # ---- messages -------------------------------------------------------------------------
 
-    def _message(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
-        kind = message[0]
-        if kind == ch.ADMIT:  # at once, in arrival order: the buckets are the server's
-            _, rid, model, key = message
-            refused = self._limiter.admit(model, key) if self._limiter.enabled else None
+    def _message(self, frontend: _Frontend, message: fm.FromFrontend, mapping: wire.Source) -> None:
+        if isinstance(message, fm.Admit):  # at once, in arrival order: the buckets are the server's
+            refused = self._limiter.admit(message.model, message.key) if self._limiter.enabled else None
             assert frontend.channel is not None
-            frontend.channel.send([ch.ADMITTED, rid, None if refused is None else list(refused)])
-        elif kind == ch.REFUND:
-            self._limiter.refund(message[1], message[2])
-        elif kind == ch.INFER:
-            rid = message[1]
-            frontend.tasks[rid] = asyncio.ensure_future(self._serve(frontend, message, mapping))
-        elif kind == ch.CANCEL:
-            task = frontend.tasks.pop(message[1], None)
+            frontend.channel.send(fm.Admitted(message.rid, refused))
+        elif isinstance(message, fm.Refund):
+            self._limiter.refund(message.model, message.key)
+        elif isinstance(message, fm.Infer):
+            frontend.tasks[message.rid] = asyncio.ensure_future(self._serve(frontend, message, mapping))
+        elif isinstance(message, fm.Cancel):
+            task = frontend.tasks.pop(message.rid, None)
             if task is not None:
                 task.cancel()
-        elif kind == ch.READY:
+        elif isinstance(message, fm.Ready):
             if frontend.started is not None and not frontend.started.done():
                 frontend.started.set_result(None)
-        elif kind == ch.FAILED:
+        elif isinstance(message, fm.Failed):
             if frontend.started is not None and not frontend.started.done():
-                frontend.started.set_exception(OSError(message[1]))
+                frontend.started.set_exception(OSError(message.message))
 
-    async def _serve(self, frontend: _Frontend, message: list[Any], mapping: wire.Source) -> None:
-        _, rid, protocol, received_ns, wired = message
+    def _bad(self, frontend: _Frontend, exc: BadMessage) -> None:
+        """A message that does not decode: the request it names (its first field) gets the error as
+        its answer, the rest goes on."""
+        log.error("frontend process %d: %s", frontend.index, exc)
+        if exc.kind not in ("Cancel", "Refund", "Ready", "Failed") and isinstance(exc.ref, int) \
+                and frontend.channel is not None:
+            frontend.channel.send(fm.Reply(exc.ref, wire.error_out(PierError(ErrorCode.INTERNAL, str(exc)))))
+
+    async def _serve(self, frontend: _Frontend, message: fm.Infer, mapping: wire.Source) -> None:
+        rid = message.rid
         packer: wire.Packer | None = None
+        reply: fm.Reply
         try:
             try:
-                _, request, _ = wire.request_in(wired, mapping)
-                response = await self._plane.serve(request, _same, None, protocol, received_ns)
+                request = wire.request_in(message.request, mapping)
+                response = await self._plane.serve(request, _same, None, message.protocol, message.received_ns)
                 packer = wire.Packer()
-                reply: list[Any] = [ch.REPLY, rid, wire.response_out(response, packer)]
+                reply = fm.Reply(rid, wire.response_out(response, packer))
             except asyncio.CancelledError:
                 if rid not in frontend.tasks:  # CANCEL (its client went away) or the frontend is gone: no answer
                     raise
                 # a backend's own cancellation of this request: the client gets an answer
-                reply = [ch.REPLY, rid, wire.error_out(PierError(ErrorCode.INTERNAL, "the request was cancelled"))]
+                reply = fm.Reply(rid, wire.error_out(PierError(ErrorCode.INTERNAL, "the request was cancelled")))
             except PierError as exc:
-                reply = [ch.REPLY, rid, wire.error_out(exc)]
+                reply = fm.Reply(rid, wire.error_out(exc))
             except Exception as exc:
-                reply = [ch.REPLY, rid, self._internal(frontend, exc)]
+                reply = fm.Reply(rid, self._internal(frontend, exc))
             channel = frontend.channel
             if channel is not None:
                 def failed(exc: BaseException) -> None:  # what the answer holds cannot travel: say so instead
-                    channel.send([ch.REPLY, rid, self._internal(frontend, exc)])
+                    channel.send(fm.Reply(rid, self._internal(frontend, exc)))
 
                 try:
                     channel.send(reply, packer, failed)
@@ -175,7 +182,7 @@ class FrontendPool:
             frontend.tasks.pop(rid, None)
 
     @staticmethod
-    def _internal(frontend: _Frontend, exc: BaseException) -> list[Any]:
+    def _internal(frontend: _Frontend, exc: BaseException) -> wire.WireError:
         log.error("a request from frontend process %d failed", frontend.index, exc_info=exc)
         return wire.error_out(PierError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
 
@@ -212,13 +219,13 @@ class FrontendPool:
     def begin_exit(self) -> None:
         """The server drains: every answer from now on says `Connection: close`."""
         self._exiting = True
-        self._broadcast([ch.EXITING])
+        self._broadcast(fm.Exiting())
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Tell every frontend to stop (each finishes what it has open) and wait for all of them;
         one still running after `timeout` is killed."""
         self._stopping = True
-        self._broadcast([ch.STOP])
+        self._broadcast(fm.Stop())
         await asyncio.gather(*(self._stop_one(f, timeout) for f in list(self._frontends.values())))
         self._frontends.clear()
 

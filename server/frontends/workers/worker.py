@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -52,8 +51,10 @@ from pier.frontends.http.middleware import (
     restrict_middleware,
 )
 from pier.frontends.workers import channel as ch
+from pier.frontends.workers import messages as fm
 from pier.frontends.workers.proxy import GrpcForwarder, HttpProxy
 from pier.ipc import channel as wire
+from pier.ipc.messages import BadMessage
 from pier.observability import log_settings
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import health_pb2
@@ -99,12 +100,12 @@ class RemotePlane:
     def describe(self, model: Any, all_versions: bool = False) -> Any:
         raise NeedsServer
 
-    async def _ask(self, message: list[Any], packer: wire.Packer | None = None) -> Any:
-        """Send `message` (its second item the request id) and wait for the server's answer to it;
-        a cancelled wait tells the server (CANCEL), which cancels what it started."""
+    async def _ask(self, message: fm.Admit | fm.Infer, packer: wire.Packer | None = None) -> Any:
+        """Send `message` and wait for the server's answer to it (to its `rid`); a cancelled wait
+        tells the server (Cancel), which cancels what it started."""
         if self.channel is None or self.channel.closed:
             raise unavailable("the server process is gone")
-        rid = message[1]
+        rid = message.rid
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
 
@@ -124,44 +125,50 @@ class RemotePlane:
             return await future
         except asyncio.CancelledError:
             if self._pending.pop(rid, None) is not None and not self.channel.closed:
-                self.channel.send([ch.CANCEL, rid])
+                self.channel.send(fm.Cancel(rid))
             raise
 
     async def admit(self, model: str, key: str | None) -> tuple[float, str] | None:
         """The server's rate limits (they count every frontend's requests), asked before this
         process reads the request's body: None, or (seconds to wait, the limit's scope)."""
-        refused = await self._ask([ch.ADMIT, next(self._ids), model, key])
-        return None if refused is None else (float(refused[0]), str(refused[1]))
+        refused: tuple[float, str] | None = await self._ask(fm.Admit(next(self._ids), model, key))
+        return refused
 
     def refund(self, model: str, key: str | None) -> None:
         """An admitted request goes to the server whole after all, where it is admitted again."""
         if self.channel is not None:
-            self.channel.send([ch.REFUND, model, key])
+            self.channel.send(fm.Refund(model, key))
 
     async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
                     model: Any = None, protocol: str = "", received_ns: int = 0) -> T:
         packer = wire.Packer()
         wired = wire.request_out(request, packer)
-        response: InferenceResponse = await self._ask([ch.INFER, next(self._ids), protocol, received_ns, wired],
+        response: InferenceResponse = await self._ask(fm.Infer(next(self._ids), protocol, received_ns, wired),
                                                       packer)
         return encode(response)
 
-    def answer(self, message: list[Any], mapping: wire.Source) -> None:
-        kind, rid = message[0], message[1]
-        future = self._pending.pop(rid, None)
+    def answer(self, message: fm.Admitted | fm.Reply, mapping: wire.Source) -> None:
+        future = self._pending.pop(message.rid, None)
         if future is None or future.done():  # cancelled meanwhile
             return
-        if kind == ch.ADMITTED:
-            future.set_result(message[2])
+        if isinstance(message, fm.Admitted):
+            future.set_result(message.refused)
             return
         try:
-            reply = wire.response_in(message[2], mapping)
+            reply = wire.response_in(message.response, mapping)
         except Exception as exc:  # a reply this process cannot read: its request fails, not the channel
             reply = PierError(ErrorCode.INTERNAL, f"unreadable answer from the server process: {exc}")
         if isinstance(reply, PierError):
             future.set_exception(reply)
         else:
             future.set_result(reply)
+
+    def unreadable(self, exc: BadMessage) -> None:
+        """A message from the server that does not decode: the request it answers fails with why."""
+        log.error("frontend process: %s", exc)
+        future = self._pending.pop(exc.ref, None) if isinstance(exc.ref, int) else None
+        if future is not None and not future.done():
+            future.set_exception(PierError(ErrorCode.INTERNAL, f"unreadable answer from the server process: {exc}"))
 
     def fail_all(self) -> None:
         for future in self._pending.values():
@@ -275,26 +282,25 @@ class Frontend:
         self.index = index
         self.plane = RemotePlane()
         self._sock = sock
-        self._settings: asyncio.Future[tuple[Settings, dict[str, str]]] | None = None
+        self._settings: asyncio.Future[fm.Start] | None = None
         self._stop = asyncio.Event()
         self._log: dict[str, Any] | None = None  # the server's log settings, until ours are installed
         self._log_installed = False
 
-    def _message(self, message: list[Any], mapping: wire.Source) -> None:
-        kind = message[0]
-        if kind in (ch.REPLY, ch.ADMITTED):
+    def _message(self, message: fm.ToFrontend, mapping: wire.Source) -> None:
+        if isinstance(message, (fm.Reply, fm.Admitted)):
             self.plane.answer(message, mapping)
-        elif kind == ch.EXITING:
+        elif isinstance(message, fm.Exiting):
             self.plane.exiting = True
-        elif kind == ch.STOP:
+        elif isinstance(message, fm.Stop):
             self._stop.set()
-        elif kind == ch.LOG:
+        elif isinstance(message, fm.LogSettings):
             if self._log_installed:  # follow the server's
-                log_settings.update({k: v for k, v in message[1].items() if k != "log_file"})
+                log_settings.update({k: v for k, v in message.settings.items() if k != "log_file"})
             else:
-                self._log = message[1]
-        elif kind == ch.SETTINGS and self._settings is not None and not self._settings.done():
-            self._settings.set_result((pickle.loads(message[1]), message[2]))
+                self._log = message.settings
+        elif isinstance(message, fm.Start) and self._settings is not None and not self._settings.done():
+            self._settings.set_result(message)
 
     def _closed(self) -> None:
         self.plane.fail_all()
@@ -304,8 +310,10 @@ class Frontend:
 
     async def run(self) -> int:
         self._settings = asyncio.get_running_loop().create_future()
-        channel = self.plane.channel = ch.Channel(self._sock, self._message, self._closed)
-        settings, paths = await self._settings
+        channel = self.plane.channel = ch.Channel(self._sock, self._message, self._closed, fm.TO_FRONTEND,
+                                                  self.plane.unreadable)
+        start = await self._settings
+        settings, paths = start.settings, start.paths
         log_settings.install(log_settings.LogSettings(
             log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
             log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
@@ -340,10 +348,10 @@ class Frontend:
                 except RuntimeError as exc:
                     raise OSError(f"cannot bind gRPC to {settings.grpc_address}:{settings.grpc_port}: {exc}") from exc
         except (OSError, PierError) as exc:
-            channel.send([ch.FAILED, str(exc)])
+            channel.send(fm.Failed(str(exc)))
             await asyncio.sleep(0.1)  # let the message go before the channel closes
             return 1
-        channel.send([ch.READY])
+        channel.send(fm.Ready())
         await self._stop.wait()
         # The server has drained: finish what is still open here, then close.
         if server is not None:
