@@ -177,20 +177,14 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
 
 
 def test_restriction_flags_are_checked() -> None:
-    """As tritonserver 2.51 words them (probed), for --http-restricted-api and --grpc-restricted-protocol."""
+    """A bad rule stops `pier serve` with tritonserver 2.51's words (probed), for --http-restricted-api
+    and --grpc-restricted-protocol; every wording: tests/server/test_guards.py."""
     for flag, kind in (("--http-restricted-api", "api"), ("--grpc-restricted-protocol", "protocol")):
-        for specs, text in (
-                (["model-reposit:k=v"], f"unknown restricted {kind} 'model-reposit'"),
-                (["health, metadata:k=v"], f"unknown restricted {kind} ' metadata'"),
-                (["inference"], f"{flag} option format is '<config name>:<setting>=<value>'. Got inference"),
-                (["health:k="], "option format is '<config name>:<setting>=<value>'. Got health:k="),
-                (["inference,inference:k=v"], f"restricted {kind} 'inference' can not be specified in multiple"),
-                (["health:k=v", "health,metadata:k2=v2"],
-                 f"restricted {kind} 'health' can not be specified in multiple config groups")):
-            proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
-                                   *(f"{flag}={spec}" for spec in specs)], capture_output=True, text=True, cwd=ROOT,
-                                  timeout=60)
-            assert proc.returncode == 2 and text in proc.stderr, (flag, specs, proc.stderr)
+        proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
+                               f"{flag}=health:k=v", f"{flag}=health,metadata:k2=v2"], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert f"restricted {kind} 'health' can not be specified in multiple config groups" in proc.stderr
 
 
 def _forwarded(server: object, headers: dict[str, str], parameters: dict[str, object]) -> dict[str, object]:
