@@ -100,11 +100,11 @@ def run_pier(folder: Path, reqs: list[tuple[list[int], int]], **cfg: Any) -> dic
         steps += 1
     wall = time.perf_counter() - t0
     stats = eng.stats()
-    per_block = kv_bytes_per_block(eng.model, eng.config.cache.block_size)
+    per_block = kv_bytes_per_block(eng.model, eng.runner.block_size)
     return {
         "generated_tokens": gen, "wall_s": wall, "tok_s": gen / wall, "steps": steps,
         "peak_kv_bytes": stats.peak_blocks_used * per_block,
-        "kv_bytes_per_token": per_block // eng.config.cache.block_size,
+        "kv_bytes_per_token": per_block // eng.runner.block_size,
         "preemptions": stats.num_preemptions, "ttft_mean_s": sum(ttft) / max(len(ttft), 1),
         "decode_attention": "compiled paged kernel" if eng.runner.decode_op is not None else "torch gather + SDPA",
     }

@@ -16,12 +16,15 @@ Reported: output tok/s and TTFT p50/p99 (median round, every round listed), and 
 
     .venv/bin/python -m bench.llm_process              # writes bench/results/llm_process.{md,json,png}
     .venv/bin/python -m bench.llm_process --quick      # 16 requests, 2 rounds, no vLLM
+    .venv/bin/python -m bench.llm_process --baseline REV --no-vllm --no-thread --name NAME
+                                                       # this checkout against revision REV, interleaved
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -37,13 +40,28 @@ from bench.common import free_port, loadavg, machine
 from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_unavailable, workload
 from bench.llm_bench import run_pier as run_offline
 from bench.llm_openai_bench import MODEL, VllmServer, _drive, _wait_models
+from bench.revisions import worktree
 
 Workload = list[tuple[list[int], int]]
 
 
+def old_pier_path(tree: Path, into: Path) -> Path:
+    """A folder to put first on PYTHONPATH so that `python -m pier` runs the checkout `tree` (another
+    revision): `pier` is a folder of links to its server/ files, with backends/ as `pier.backends`
+    (the layout pyproject.toml installs)."""
+    pkg = into / "pier"
+    pkg.mkdir(parents=True)
+    for entry in (tree / "server").iterdir():
+        (pkg / entry.name).symlink_to(entry)
+    (pkg / "backends").symlink_to(tree / "backends")
+    return into
+
+
 class PierServer:
-    def __init__(self, folder: Path, engine_core: str, tmp: Path) -> None:
-        repo = tmp / f"repo-{engine_core}"
+    def __init__(self, folder: Path, engine_core: str, tmp: Path, label: str = "", pythonpath: Path | None = None
+                 ) -> None:
+        label = label or engine_core
+        repo = tmp / f"repo-{label}"
         (repo / MODEL).mkdir(parents=True)
         os.symlink(folder, repo / MODEL / "1")
         (repo / MODEL / "config.pbtxt").write_text(
@@ -51,12 +69,15 @@ class PierServer:
             'parameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n'
             f'parameters {{ key: "engine_core" value {{ string_value: "{engine_core}" }} }}\n')
         http, grpc_, metrics = free_port(), free_port(), free_port()
-        self.log = open(tmp / f"pier-{engine_core}.log", "wb")
+        self.log = open(tmp / f"pier-{label}.log", "wb")
+        env = dict(os.environ)
+        if pythonpath is not None:  # another revision's code; its compiled kernels kept apart
+            env.update(PYTHONPATH=str(pythonpath), TORCH_EXTENSIONS_DIR=str(tmp / f"ext-{label}"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pier", "serve", f"--model-repository={repo}", f"--http-port={http}",
              f"--grpc-port={grpc_}", f"--metrics-port={metrics}", "--http-address=127.0.0.1",
              "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.base = f"http://127.0.0.1:{http}"
         _wait_models(self.base, 300, self.proc)
 
@@ -178,6 +199,9 @@ def main() -> None:
     ap.add_argument("--no-thread", action="store_true", help="leave out the engine-on-a-thread server")
     ap.add_argument("--vllm-dir", type=Path, default=Path(os.path.expanduser("~/vllm-ref")))
     ap.add_argument("--rounds", type=int, default=0, help="default 3 (2 with --quick)")
+    ap.add_argument("--baseline", metavar="REV", help="also serve revision REV (engine_core process), interleaved: "
+                    "the before/after of a change")
+    ap.add_argument("--name", help="results file name (default llm_process[-quick])")
     a = ap.parse_args()
     n = 16 if a.quick else 64
     rounds = a.rounds or (2 if a.quick else 3)
@@ -191,13 +215,21 @@ def main() -> None:
         "runs": {}}
     contenders: dict[str, Callable[[Workload], dict[str, Any]]] = {"offline engine": _offline(folder)}
     servers: list[Any] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         try:
             for mode in ("process",) + (() if a.no_thread else ("thread",)):
                 log(f"starting pier serve (engine_core {mode})")
                 s = PierServer(folder, mode, Path(tmp))
                 servers.append(s)
                 contenders[f"pier ({mode})"] = _served(s.base, n, s.proc.pid)
+            if a.baseline:
+                tree = stack.enter_context(worktree(a.baseline))
+                label = f"pier {a.baseline} (process)"
+                log(f"starting {label}")
+                s = PierServer(folder, "process", Path(tmp), "baseline", old_pier_path(tree, Path(tmp) / "old"))
+                servers.append(s)
+                contenders[label] = _served(s.base, n, s.proc.pid)
+                res["baseline"] = a.baseline
             why = "skipped (--quick / --no-vllm)" if a.quick or a.no_vllm else vllm_unavailable(
                 a.vllm_dir, "serve.sh", "stop.sh")
             if why is None:
@@ -239,7 +271,12 @@ def main() -> None:
         "TTFT p99, vLLM / pier (process) (target >= 1.0)": per_round("pier (process)", "vLLM OpenAI server",
                                                                      "ttft_p99_s", invert=True),
     }
-    md = write_report(res, "llm_process-quick" if a.quick else "llm_process")
+    if a.baseline:
+        res["ratios"][f"pier (process) / pier {a.baseline} (process), throughput"] = per_round(
+            "pier (process)", f"pier {a.baseline} (process)")
+        res["ratios"][f"TTFT p50, pier {a.baseline} / pier (process)"] = per_round(
+            "pier (process)", f"pier {a.baseline} (process)", "ttft_p50_s", invert=True)
+    md = write_report(res, a.name or ("llm_process-quick" if a.quick else "llm_process"))
     print(md.read_text())
 
 

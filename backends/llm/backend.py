@@ -13,16 +13,18 @@ requests over, so the instance is free at once and batching happens inside the e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
 from pier.backends.llm.metrics import LLMMetrics
 from pier.contract import llm
 from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
@@ -83,13 +85,6 @@ def _plain_message(message: Any) -> dict[str, Any]:
     return out
 
 
-_CONTEXT_TOKENS = 4  # tokens decoded before a logprob token, for its leading space and pending bytes
-
-
-def alone_text(tokenizer: Any, token: int) -> str:
-    return str(tokenizer.decode([token], skip_special_tokens=False)).replace("\ufffd", "")
-
-
 def _render_chat(tokenizer: Any, doc: Any) -> str:
     """chat_messages: a list of messages, or {"messages", "add_generation_prompt",
     "continue_final_message", "chat_template_kwargs", "tools"} (the OpenAI frontend's template options).
@@ -120,7 +115,10 @@ def _render_chat(tokenizer: Any, doc: Any) -> str:
 
 
 class LLMInstance(ModelInstance):
-    may_run_on_event_loop = False
+    # execute() only parses and hands requests over (a task on the server's loop streams the
+    # answers): short enough to run on the loop itself, which then starts the task with no thread
+    # hop there and back; a long parse (a large chat template) still goes to a worker thread.
+    may_run_on_event_loop = True
     unbatched = True
 
     def __init__(self, ctx: ModelContext, where: InstanceContext) -> None:
@@ -159,6 +157,7 @@ class LLMInstance(ModelInstance):
         # Responses are built on the server's loop: the engine thread hands each step's outputs
         # straight to it, and from there they reach the frontend (one thread hop per step).
         self._loop = ctx.services.event_loop
+        self._tasks: set[asyncio.Task[None]] = set()  # the streams running (a task needs a reference)
         self.metrics = LLMMetrics(self.engine.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
@@ -175,11 +174,25 @@ class LLMInstance(ModelInstance):
             if answer is not None:  # tokenize / detokenize: answered at once, nothing generated
                 sink = request.response_sink
                 assert sink is not None  # _parse checked it
-                self._loop.call_soon_threadsafe(sink, Outputs(answer), True)
+                sink(Outputs(answer), True)
             else:
-                asyncio.run_coroutine_threadsafe(self._serve(request, *job), self._loop)
+                self._start(request, self._serve(request, *job))
             results.append(Outputs([]))
         return results
+
+    def _start(self, request: InferenceRequest, serve: Coroutine[Any, Any, None]) -> None:
+        """Run `serve` on the server's loop (started here when execute runs on it), cancelled through
+        the request's on_cancel when its client goes away."""
+        handle: asyncio.Task[None] | concurrent.futures.Future[None]
+        if asyncio._get_running_loop() is self._loop:
+            handle = self._loop.create_task(serve)
+            self._tasks.add(handle)
+            handle.add_done_callback(self._tasks.discard)
+        else:
+            handle = asyncio.run_coroutine_threadsafe(serve, self._loop)
+        request.on_cancel = handle.cancel
+        if request.cancelled:  # the stream closed before on_cancel was set
+            handle.cancel()
 
     def _parse(self, request: InferenceRequest) -> tuple[Any, Any, dict[str, bool]]:
         if request.response_sink is None:
@@ -274,8 +287,6 @@ class LLMInstance(ModelInstance):
         remaining = sampling.n
         started = time.monotonic()
         last_token_at: dict[int, float] = {}
-        consumer = asyncio.current_task()
-        watcher = asyncio.ensure_future(self._watch_cancel(request, consumer))
         try:
             gen = self.engine.generate(prompt, sampling, request_id=rid)
             async for out in gen:
@@ -309,13 +320,13 @@ class LLMInstance(ModelInstance):
                 if emits and out.index in pending_prompt_lp:
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
                 if flags[llm.RETURN_LOGPROBS] and out.index not in context:
-                    context[out.index] = list((out.prompt_ids or [])[-_CONTEXT_TOKENS:])
+                    context[out.index] = list((out.prompt_ids or [])[-CONTEXT_TOKENS:])
                 if stream:
                     if emits:
                         sink(Outputs(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
                                                    context.get(out.index))), final)
                     if flags[llm.RETURN_LOGPROBS]:
-                        context[out.index] = (context[out.index] + out.token_ids)[-_CONTEXT_TOKENS:]
+                        context[out.index] = (context[out.index] + out.token_ids)[-CONTEXT_TOKENS:]
                 else:
                     texts.setdefault(out.index, []).append(out.text)
                     if out.logprobs:
@@ -340,16 +351,6 @@ class LLMInstance(ModelInstance):
             sink(unavailable(str(exc)), True)
         except Exception as exc:
             sink(internal(f"LLM engine error: {type(exc).__name__}: {exc}"), True)
-        finally:
-            watcher.cancel()
-
-    @staticmethod
-    async def _watch_cancel(request: InferenceRequest, task: asyncio.Task | None) -> None:
-        while task is not None and not task.done():
-            if request.cancelled:
-                task.cancel()
-                return
-            await asyncio.sleep(0.05)
 
     def _tensors(self, text: str, out: Any, flags: dict[str, bool], lps: Any, finished: bool,
                  lp_ids: Sequence[int] = (), context: Sequence[int] | None = None) -> list[Tensor]:
@@ -367,47 +368,17 @@ class LLMInstance(ModelInstance):
         tensors.append(_uint32(llm.SEQUENCE_INDEX, out.index))
         if out.prompt_logprobs is not None:  # sampling's prompt_logprobs: once, in the first response
             ids = [t for t, _, _ in out.prompt_logprobs]
-            doc = self._logprobs_doc(ids, [(lp, top) for _, lp, top in out.prompt_logprobs], [])
+            doc = logprobs_doc(self.tokenizer, ids, [(lp, top) for _, lp, top in out.prompt_logprobs], [])
             doc[llm.PROMPT_TEXT] = self.tokenizer.decode(ids)  # the prompt, for echo
             tensors.append(_bytes(llm.PROMPT_LOGPROBS, json.dumps(doc).encode()))
         if flags[llm.RETURN_LOGPROBS]:
-            payload = json.dumps(self._logprobs_doc(lp_ids if lps else [], lps or [], context or [])).encode()
+            payload = json.dumps(logprobs_doc(self.tokenizer, lp_ids if lps else [], lps or [], context or [])).encode()
             tensors.append(_bytes(llm.LOGPROBS, payload))
         return tensors
 
-    def _logprobs_doc(self, ids: Sequence[int], entries: Sequence[tuple[float | None, Any]],
-                      context: Sequence[int]) -> dict[str, Any]:
-        """{"tokens": [text of each id], "ids": [...], "logprobs": [[logprob, [[alternative text,
-        logprob, id], ...]] or None]}: the logprobs and prompt_logprobs outputs (None: a prompt's first token has no
-        logprob). A token's text is what it adds to the text after `context` and the ids before it
-        ('' for a byte that only starts a character, the whole character for the byte that ends it,
-        as vLLM); alternatives are decoded alone, best first."""
-        def ranked(top: dict[int, float] | None) -> list[list[Any]]:
-            best = sorted((top or {}).items(), key=lambda kv: -kv[1])
-            return [[alone_text(self.tokenizer, t), v, t] for t, v in best]
-
-        return {llm.LOGPROBS_TOKENS: self._token_texts(ids, context), llm.LOGPROBS_IDS: list(ids),
-                llm.LOGPROBS_ENTRIES: [None if lp is None else [lp, ranked(top)] for lp, top in entries]}
-
     def _token_texts(self, ids: Sequence[int], context: Sequence[int]) -> list[str]:
-        """Each token's text in place: decode a short window ending at it and take what it adds to
-        the window before it (whole characters only)."""
-        def text(window: list[int]) -> str:
-            return self.tokenizer.decode(window, skip_special_tokens=False).rstrip("\ufffd")
-
-        window = list(context[-_CONTEXT_TOKENS:])
-        before = text(window)
-        out: list[str] = []
-        for t in ids:
-            window.append(t)
-            after = text(window)
-            out.append(after[len(before):] if after.startswith(before) else alone_text(self.tokenizer, t))
-            before = after
-            if len(window) > 2 * _CONTEXT_TOKENS and after == self.tokenizer.decode(
-                    window, skip_special_tokens=False):  # no character pending: the window may slide
-                window = window[-_CONTEXT_TOKENS:]
-                before = text(window)
-        return out
+        """See logprob_docs.token_texts, with this model's tokenizer."""
+        return token_texts(self.tokenizer, ids, context)
 
     # ---- metrics -------------------------------------------------------------------------
 

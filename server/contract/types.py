@@ -77,6 +77,10 @@ class InferenceRequest:
     # Set by the data plane for models with a decoupled transaction policy.
     response_sink: ResponseSink | None = None
     cancelled: bool = False  # the client went away (decoupled streams): models may stop early
+    # Called once, on the server's event loop, when the data plane's stream of this request closes
+    # (the client went away, or it ended): a decoupled model cancels its work there instead of
+    # polling `cancelled`. A model that sets it after the stream closed finds `cancelled` true.
+    on_cancel: Callable[[], object] | None = None
     trace: Any = None  # server.tracing.Trace when traced; False when its frontend sampled it out
     shm_regions: tuple[str, ...] = ()  # shared-memory regions its inputs and outputs name
 

@@ -296,7 +296,10 @@ class DataPlane:
         queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()
 
         def sink(result: Outputs | PierError | None, final: bool) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (result, final))
+            if asyncio._get_running_loop() is loop:  # a model answering on the loop itself: no wake-up needed
+                queue.put_nowait((result, final))
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, (result, final))
 
         request.response_sink = sink
         self._begin()
@@ -335,6 +338,9 @@ class DataPlane:
                     return
         finally:
             request.cancelled = True
+            on_cancel, request.on_cancel = request.on_cancel, None
+            if on_cancel is not None:
+                on_cancel()
             self._end()
             if trace is not None:
                 self._end_trace(trace, owned, [])

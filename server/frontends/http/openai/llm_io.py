@@ -64,12 +64,13 @@ async def one_response(plane: DataPlane, request: InferenceRequest) -> dict[str,
     raise PierError(ErrorCode.INTERNAL, "the model sent no response")
 
 
-def _first(response: InferenceResponse, name: str) -> Any:
+def _scalars(response: InferenceResponse) -> dict[str, Any]:
+    """Each output's one element (text decoded), by name: read once per response."""
+    out: dict[str, Any] = {}
     for t in response.outputs:
-        if t.name == name:
-            value = t.data.reshape(-1)[0]
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value.item()
-    return None
+        value = t.data.reshape(-1)[0]
+        out[t.name] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value.item()
+    return out
 
 
 async def response_deltas(plane: DataPlane, request: InferenceRequest, keep_prompt_logprobs: bool = True,
@@ -79,17 +80,18 @@ async def response_deltas(plane: DataPlane, request: InferenceRequest, keep_prom
     stream = plane.responses(request)
     try:
         async for item in stream:
-            lp = _first(item, llm.LOGPROBS)
+            got = _scalars(item)
+            lp = got.get(llm.LOGPROBS)
             lp_doc = json.loads(lp) if lp else None
-            prompt_part = _prompt_part(_first(item, llm.PROMPT_LOGPROBS), keep_prompt_logprobs)
+            prompt_part = _prompt_part(got.get(llm.PROMPT_LOGPROBS), keep_prompt_logprobs)
             if as_ids:
                 lp_doc, prompt_part = (_as_ids(d) if d else d for d in (lp_doc, prompt_part))
-            stop = _first(item, llm.STOP_REASON)
-            yield {"index": int(_first(item, llm.SEQUENCE_INDEX) or 0), "text": _first(item, llm.TEXT_OUTPUT) or "",
-                   "finish_reason": _first(item, llm.FINISH_REASON) or None,
+            stop = got.get(llm.STOP_REASON)
+            yield {"index": int(got.get(llm.SEQUENCE_INDEX) or 0), "text": got.get(llm.TEXT_OUTPUT) or "",
+                   "finish_reason": got.get(llm.FINISH_REASON) or None,
                    "stop_reason": json.loads(stop) if stop else None,
-                   "prompt_tokens": int(_first(item, llm.NUM_INPUT_TOKENS) or 0),
-                   "completion_tokens": int(_first(item, llm.NUM_OUTPUT_TOKENS) or 0),
+                   "prompt_tokens": int(got.get(llm.NUM_INPUT_TOKENS) or 0),
+                   "completion_tokens": int(got.get(llm.NUM_OUTPUT_TOKENS) or 0),
                    "logprobs": lp_doc, "prompt_logprobs": prompt_part}
     finally:
         await stream.aclose()

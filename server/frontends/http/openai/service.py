@@ -53,11 +53,12 @@ class OpenAIHandlers:
         self.plane = plane
         self.max_json_size = max_json_size
 
-    def _check_context(self, model: str, max_tokens: Any, firsts: list[Delta]) -> None:
+    @staticmethod
+    def _check_context(info: dict[str, Any], max_tokens: Any, firsts: list[Delta]) -> None:
         """As vLLM's OpenAI server: a prompt plus max_tokens past the model's context is a 400
         (the engine would stop early with "length"). The prompt's token count is known once the
         backend answered; the request is cancelled with the error."""
-        limit = self.plane.models_with_backend(llm.BACKEND_NAME).get(model, {}).get(llm.INFO_MAX_MODEL_LEN)
+        limit = info.get(llm.INFO_MAX_MODEL_LEN)
         if not isinstance(max_tokens, int) or not isinstance(limit, int):
             return
         for f in firsts:
@@ -72,13 +73,14 @@ class OpenAIHandlers:
         gens: list[Deltas] = []
         try:
             doc = await read_body(request, self.max_json_size)
-            model = check_model(doc.get("model"), list(self.plane.models_with_backend(llm.BACKEND_NAME)))
+            llms = self.plane.models_with_backend(llm.BACKEND_NAME)  # read once for the whole call
+            model = check_model(doc.get("model"), list(llms))
+            info = llms.get(model, {})
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
             constraint = structured_outputs(doc)
             tool_plan = None
             if endpoint.chat:  # forced tool calls are structured output too
-                info = self.plane.models_with_backend(llm.BACKEND_NAME).get(model, {})
                 tool_plan, forced = tools.plan(doc, info.get(llm.INFO_TOOL_CALL_PARSER))
                 constraint = forced or constraint
             if constraint is not None:
@@ -89,7 +91,7 @@ class OpenAIHandlers:
             as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
             gens = [response_deltas(self.plane, infer, logprobs is not None, as_ids) for infer in infers]
             firsts = await _first_deltas(gens)
-            self._check_context(model, sampling.get(llm.SAMPLING_MAX_TOKENS), firsts)
+            self._check_context(info, sampling.get(llm.SAMPLING_MAX_TOKENS), firsts)
         except BadRequest as exc:
             await close(gens)
             return error(exc.status, exc.message, exc.param)
