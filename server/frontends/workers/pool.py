@@ -1,16 +1,17 @@
-"""The server's side of `--frontend-processes N`: starts N frontend processes (worker.py), serves
-the inference requests they decode through the one DataPlane (so a model's dynamic batcher still
-sees every request in one queue), tells them when the server drains and when to stop, and
-restarts one that dies (its clients' connections drop; the other frontends keep serving)."""
+"""The server's side of `--frontend-processes N`: N frontend processes (worker.py), each run by a
+pier.ipc AsyncSupervisor (started, watched through its pidfd on the loop, restarted when it dies:
+its clients' connections drop, the other frontends keep serving; at most 10 restarts a minute,
+the first at once, then after 1, 2, 4, ... s). The pool serves the inference requests they
+decode through the one DataPlane (so a model's dynamic batcher still sees every request in one
+queue), answers their rate-limit questions, and tells them when the server drains and when to
+stop. What it keeps of each: its channel and the requests in flight, failed when it dies."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,15 +22,18 @@ from pier.frontends.guards import RateLimiter
 from pier.frontends.workers import channel as ch
 from pier.frontends.workers import messages as fm
 from pier.ipc import channel as wire
+from pier.ipc.async_supervisor import AsyncSupervisor
 from pier.ipc.messages import BadMessage
-from pier.ipc.processes import exit_cause
+from pier.ipc.supervisor import Child, ChildExited, Exit, Launch, RestartPolicy, StartTimeout
 from pier.observability import log_settings
 from pier.settings import Settings
 
 log = logging.getLogger("pier.frontends")
 
 START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
 RESTARTS, RESTART_WINDOW_S = 10, 60.0  # a frontend that dies more often than this stays down
+RESTART_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 
 
 def check_ports_free(settings: Settings) -> None:
@@ -62,11 +66,85 @@ def _same(response: InferenceResponse) -> InferenceResponse:
 
 @dataclass(eq=False)
 class _Frontend:
+    """One frontend process's channel and the requests it has in flight (pier.ipc's Link)."""
+
     index: int
-    proc: subprocess.Popen
     channel: ch.Channel | None = None
-    started: asyncio.Future[None] | None = None
+    child: Child[_Frontend] | None = None
     tasks: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+class _Slot:
+    """Frontend process `index`, as its supervisor's owner (pier.ipc.async_supervisor.AsyncChildOwner)."""
+
+    def __init__(self, pool: FrontendPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.supervisor = AsyncSupervisor(self, RestartPolicy(RESTARTS, RESTART_WINDOW_S, RESTART_BACKOFF_S,
+                                                              MAX_BACKOFF_S),
+                                          f"frontend process {index}", START_TIMEOUT_S, STOP_TIMEOUT_S)
+
+    async def start(self) -> None:
+        try:
+            await self.supervisor.start()
+        except StartTimeout:
+            raise OSError(f"frontend process {self.index} did not start within {START_TIMEOUT_S:.0f} s") from None
+        except ChildExited:
+            raise OSError(f"frontend process {self.index} exited while starting") from None
+
+    def launch(self) -> tuple[Launch, _Frontend]:
+        pool = self.pool
+        ours, theirs = wire.channel_pair()
+        frontend = _Frontend(self.index)
+        frontend.channel = ch.Channel(ours, lambda m, s: pool._message(frontend, m, s), lambda: pool._closed(frontend),
+                                      fm.FROM_FRONTEND, lambda exc: pool._bad(frontend, exc))
+        argv = [sys.executable, "-m", "pier.frontends.workers.worker", str(theirs.fileno()), str(self.index)]
+        return Launch(argv, inherit=(theirs,)), frontend
+
+    def started(self, child: Child[_Frontend]) -> None:
+        frontend = child.link
+        frontend.child = child
+        assert frontend.channel is not None
+        frontend.channel.send(fm.Start(self.pool.settings, self.pool._paths))
+        frontend.channel.send(fm.LogSettings(log_settings.current().as_dict()))  # as changed since startup
+        if self.pool._exiting:
+            frontend.channel.send(fm.Exiting())
+
+    def serving(self, child: Child[_Frontend]) -> None:
+        self.pool._frontends[self.index] = child.link
+
+    def drain(self, child: Child[_Frontend]) -> None:
+        if child.link.channel is not None:
+            child.link.channel.drain()
+
+    def restarted(self, child: Child[_Frontend]) -> None:
+        pass  # said when it died ("restarting it")
+
+    def lost(self, child: Child[_Frontend] | None, end: Exit) -> None:
+        if child is not None:
+            self.pool._frontends.pop(self.index, None)
+            self.pool._closed(child.link)
+            what = f"frontend process {self.index} (pid {child.pid}) {end.cause}"
+        else:
+            what = f"frontend process {self.index} could not restart: {end.error}"
+        if end.restart_in is None:
+            log.error("%s; it died %d times in %.0f s: not restarting it", what, end.restarts + 1, end.policy.window_s)
+        else:
+            log.warning("%s: restarting it%s", what, f" in {end.restart_in:g} s" if end.restart_in else "")
+
+    def ask_to_stop(self, child: Child[_Frontend]) -> None:
+        if child.link.channel is not None:
+            child.link.channel.send(fm.Stop())
+
+    def stopped(self, child: Child[_Frontend] | None, killed: bool) -> None:
+        if child is not None and killed:
+            log.warning("frontend process %d (pid %d) did not stop: killing it", self.index, child.pid)
+        if child is not None:
+            self.pool._closed(child.link)
 
 
 class FrontendPool:
@@ -76,9 +154,8 @@ class FrontendPool:
         self._plane = plane
         self._limiter = limiter
         self._paths = paths
-        self._frontends: dict[int, _Frontend] = {}
-        self._restarts: dict[int, list[float]] = {}
-        self._stopping = False
+        self._slots = [_Slot(self, i) for i in range(self.count)]
+        self._frontends: dict[int, _Frontend] = {}  # those serving now, by index
         self._exiting = False
         log_settings.on_change(lambda doc: self._broadcast(fm.LogSettings(doc)))
 
@@ -89,36 +166,16 @@ class FrontendPool:
 
     @property
     def pids(self) -> list[int]:
-        return [f.proc.pid for f in self._frontends.values()]
+        return [f.child.pid for f in self._frontends.values() if f.child is not None]
 
     async def start(self) -> None:
-        """Start every frontend; raises OSError with the first one's reason when any cannot bind."""
+        """Start every frontend; raises OSError with the first one's reason when any cannot start
+        (bind), once every start has ended (those that started are stopped by stop())."""
         check_ports_free(self.settings)
-        await asyncio.gather(*(self._start(i) for i in range(self.count)))
-
-    async def _start(self, index: int) -> None:
-        ours, theirs = wire.channel_pair()
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "pier.frontends.workers.worker", str(theirs.fileno()),
-                                     str(index)], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        loop = asyncio.get_running_loop()
-        frontend = _Frontend(index, proc, started=loop.create_future())
-        self._frontends[index] = frontend
-        frontend.channel = ch.Channel(ours, lambda m, s: self._message(frontend, m, s),
-                                      lambda: self._closed(frontend), fm.FROM_FRONTEND,
-                                      lambda exc: self._bad(frontend, exc))
-        frontend.channel.send(fm.Start(self.settings, self._paths))
-        frontend.channel.send(fm.LogSettings(log_settings.current().as_dict()))  # as changed since startup
-        if self._exiting:
-            frontend.channel.send(fm.Exiting())
-        assert frontend.started is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(frontend.started), START_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            proc.kill()
-            raise OSError(f"frontend process {index} did not start within {START_TIMEOUT_S:.0f} s") from None
+        outcomes = await asyncio.gather(*(slot.start() for slot in self._slots), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -136,11 +193,11 @@ class FrontendPool:
             if task is not None:
                 task.cancel()
         elif isinstance(message, fm.Ready):
-            if frontend.started is not None and not frontend.started.done():
-                frontend.started.set_result(None)
+            if frontend.child is not None:
+                frontend.child.ready()
         elif isinstance(message, fm.Failed):
-            if frontend.started is not None and not frontend.started.done():
-                frontend.started.set_exception(OSError(message.message))
+            if frontend.child is not None:
+                frontend.child.refuse(OSError(message.message))
 
     def _bad(self, frontend: _Frontend, exc: BadMessage) -> None:
         """A message that does not decode: the request it names (its first field) gets the error as
@@ -186,33 +243,12 @@ class FrontendPool:
         log.error("a request from frontend process %d failed", frontend.index, exc_info=exc)
         return wire.error_out(PierError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
 
-    def _closed(self, frontend: _Frontend) -> None:
+    @staticmethod
+    def _closed(frontend: _Frontend) -> None:
+        """Its channel closed or it is gone: what it had in flight has no one to answer to."""
         for task in frontend.tasks.values():
             task.cancel()
         frontend.tasks.clear()
-        if frontend.started is not None and not frontend.started.done():
-            frontend.started.set_exception(OSError(f"frontend process {frontend.index} exited while starting"))
-        if not self._stopping:
-            asyncio.ensure_future(self._restart(frontend))
-
-    async def _restart(self, frontend: _Frontend) -> None:
-        code = await asyncio.get_running_loop().run_in_executor(None, frontend.proc.wait)
-        if self._stopping or self._frontends.get(frontend.index) is not frontend:
-            return
-        now = time.monotonic()
-        recent = [t for t in self._restarts.get(frontend.index, []) if now - t < RESTART_WINDOW_S] + [now]
-        self._restarts[frontend.index] = recent
-        if len(recent) > RESTARTS:
-            log.error("frontend process %d (pid %d) %s; it died %d times in %.0f s: not restarting it",
-                      frontend.index, frontend.proc.pid, exit_cause(code), len(recent), RESTART_WINDOW_S)
-            del self._frontends[frontend.index]
-            return
-        log.warning("frontend process %d (pid %d) %s: restarting it", frontend.index, frontend.proc.pid,
-                    exit_cause(code))
-        try:
-            await self._start(frontend.index)
-        except OSError as exc:
-            log.error("frontend process %d could not restart: %s", frontend.index, exc)
 
     # ---- drain and stop -------------------------------------------------------------------
 
@@ -221,21 +257,8 @@ class FrontendPool:
         self._exiting = True
         self._broadcast(fm.Exiting())
 
-    async def stop(self, timeout: float = 30.0) -> None:
+    async def stop(self) -> None:
         """Tell every frontend to stop (each finishes what it has open) and wait for all of them;
-        one still running after `timeout` is killed."""
-        self._stopping = True
-        self._broadcast(fm.Stop())
-        await asyncio.gather(*(self._stop_one(f, timeout) for f in list(self._frontends.values())))
+        one still running after STOP_TIMEOUT_S is killed."""
+        await asyncio.gather(*(slot.supervisor.stop() for slot in self._slots))
         self._frontends.clear()
-
-    async def _stop_one(self, frontend: _Frontend, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(loop.run_in_executor(None, frontend.proc.wait), timeout)
-        except asyncio.TimeoutError:
-            log.warning("frontend process %d (pid %d) did not stop: killing it", frontend.index, frontend.proc.pid)
-            frontend.proc.kill()
-            await loop.run_in_executor(None, frontend.proc.wait)
-        if frontend.channel is not None:
-            frontend.channel.close()

@@ -8,8 +8,9 @@ raw binary bodies that need the model's signature) is relayed whole to the serve
     python -m pier.frontends.workers.worker FD INDEX
 
 FD is this process's end of its channel; the settings arrive as the first message. The process
-ignores SIGINT and SIGTERM (the server drains and stops its frontends itself) and exits when the
-server tells it to, or when the channel closes (the server is gone).
+dies with the server (pier.ipc.processes.die_with_parent), ignores SIGINT and SIGTERM (the server
+drains and stops its frontends itself), and exits when the server tells it to, or when the
+channel closes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import asyncio
 import itertools
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -55,6 +55,7 @@ from pier.frontends.workers import messages as fm
 from pier.frontends.workers.proxy import GrpcForwarder, HttpProxy
 from pier.ipc import channel as wire
 from pier.ipc.messages import BadMessage
+from pier.ipc.processes import die_with_parent
 from pier.observability import log_settings
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import health_pb2
@@ -367,8 +368,7 @@ class Frontend:
 
 def main(argv: list[str]) -> int:
     fd, index = int(argv[1]), int(argv[2])
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         import uvloop
