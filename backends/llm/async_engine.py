@@ -23,8 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from .core_messages import Abort, Add, EngineFacts
 from .engine import EngineStats, LLMEngine, RequestOutput
 from .input_processor import check_text_length, encode_prompt
 from .sampling_params import SamplingParams
@@ -40,22 +40,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     remaining: int  # sequences (n) not yet finished
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What callers read of an engine without asking it: fixed once it has loaded."""
-
-    max_model_len: int
-    vocab_size: int
-    generation_defaults: dict[str, Any]
-    max_tokens_cap: int | None
-    cache_config_info: dict[str, str]
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineFacts:
-        return cls(engine.max_model_len, engine.model_config.vocab_size, dict(engine.generation_defaults),
-                   engine.config.model.max_tokens_cap, engine.cache_config_info())
 
 
 class EngineClient(abc.ABC):
@@ -113,7 +97,7 @@ class EngineClient(abc.ABC):
         try:
             if (why := self.unavailable_reason()) is not None:  # it died while this one registered
                 raise EngineDeadError(why)
-            self._send(("add", request_id, ids, sampling))
+            self._send(Add(request_id, ids, sampling))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -131,13 +115,13 @@ class EngineClient(abc.ABC):
                 self._streams.pop(request_id, None)
             if not finished and self.unavailable_reason() is None:
                 try:
-                    self._send(("abort", request_id))
+                    self._send(Abort(request_id))
                 except EngineDeadError:  # it died meanwhile: nothing left to abort
                     pass
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request; its iterator receives finished outputs with finish_reason "abort"."""
-        self._send(("abort", request_id))
+        self._send(Abort(request_id))
 
     def stats(self) -> EngineStats:
         """The latest snapshot (taken after each step)."""
@@ -149,8 +133,8 @@ class EngineClient(abc.ABC):
         """Stop the engine; requests still running get an EngineDeadError."""
 
     @abc.abstractmethod
-    def _send(self, command: tuple) -> None:
-        """Deliver ("add", id, prompt ids, sampling) or ("abort", id) to the engine."""
+    def _send(self, command: Add | Abort) -> None:
+        """Deliver a command (core_messages: the engine-core protocol's) to the engine."""
 
     # -- fed by the engine side (any thread) ------------------------------------------------------
 
@@ -197,7 +181,7 @@ class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.tokenizer, EngineFacts.of(engine), engine.stats())
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Add | Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -214,7 +198,7 @@ class AsyncLLMEngine(EngineClient):
 
     # -- engine thread ----------------------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Add | Abort) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -225,14 +209,13 @@ class AsyncLLMEngine(EngineClient):
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return outs
-            if cmd[0] == "add":
-                _, rid, ids, sampling = cmd
+            if isinstance(cmd, Add):
                 try:
-                    self.engine.add_request(rid, ids, sampling)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling)
                 except ValueError as e:
-                    self._fail(rid, e)
+                    self._fail(cmd.request_id, e)
             else:
-                outs.extend(self.engine.abort(cmd[1]))
+                outs.extend(self.engine.abort(cmd.request_id))
 
     def _loop(self) -> None:
         while not self._stopped:

@@ -1,73 +1,69 @@
 """EngineCoreClient: the LLM engine in its own process (engine_core.py), streamed to asyncio callers.
 
 The server process keeps tokenization, the streams and everything the frontends do; the core
-process schedules, runs the model, samples and detokenizes. Commands go over a ZeroMQ PUSH socket
-(under a lock: several event loops may send), outputs come back on a PULL socket read by one
-thread here, which hands them to each stream's event loop as AsyncLLMEngine's step thread does.
+process schedules, runs the model, samples and detokenizes. A pier.ipc Supervisor starts, watches
+and restarts the core; this client is its owner, and keeps only its transport and what a death
+fails. Commands (core_messages.py) go over a ZeroMQ PUSH socket (under a lock: several event
+loops may send); events come back on a PULL socket, read on the supervisor's thread, which hands
+each step's outputs to the streams' event loops as AsyncLLMEngine's step thread does.
 
-When the core process dies (OOM-kill, `kill -9`, a crash in native code), the reader thread sees
-its pidfd at once: every request in flight fails with EngineDeadError naming how it died, the
-health callback reports the reason (the server marks the model UNAVAILABLE), and the core is
-restarted, at most `MAX_RESTARTS` times in `RESTART_WINDOW_S`; past that it stays down until the
-model is reloaded.
+When the core process dies (OOM-kill, `kill -9`, a crash in native code), the supervisor sees
+its pidfd at once: what it sent before it died is delivered, every request in flight fails with
+EngineDeadError naming how it died, the health callback reports the reason (the server marks the
+model UNAVAILABLE), and the core is restarted, at most `MAX_RESTARTS` times in
+`RESTART_WINDOW_S` (the first at once, then after 1, 2, 4, ... s); past that it stays down until
+the model is reloaded.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
-from pier.ipc.processes import exit_cause
+from pier.ipc.messages import BadMessage, encode
+from pier.ipc.supervisor import Child, ChildExited, Exit, Launch, Readers, RestartPolicy, Supervisor
 
-from . import engine_core as core
-from .async_engine import EngineClient, EngineDeadError, EngineFacts
+from . import core_messages as cm
+from .async_engine import EngineClient, EngineDeadError
 from .config import EngineConfig
-from .engine import EngineStats
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("pier.llm")
 
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0
+RESTART_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 STOP_TIMEOUT_S = 30.0
 
 
-class _Process:
-    """One core process and its two sockets."""
+class _Core:
+    """One core process's two sockets (a restart makes new ones, on new addresses)."""
 
-    def __init__(self, ctx: zmq.Context, folder: str, generation: int) -> None:
+    def __init__(self, ctx: zmq.Context, folder: str, generation: int, send_lock: threading.Lock) -> None:
         self.commands = ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.LINGER, 0)
         self.commands.setsockopt(zmq.SNDHWM, 0)  # never full: a send fails only with no core connected
         self.outputs = ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)
-        in_addr, out_addr = f"ipc://{folder}/in-{generation}", f"ipc://{folder}/out-{generation}"
-        self.commands.bind(in_addr)
-        self.outputs.bind(out_addr)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pier.backends.llm.engine_core", in_addr, out_addr, str(os.getpid())],
-            stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.addresses = f"ipc://{folder}/in-{generation}", f"ipc://{folder}/out-{generation}"
+        self.commands.bind(self.addresses[0])
+        self.outputs.bind(self.addresses[1])
+        self.ready: cm.Ready | None = None
+        self._send_lock = send_lock
 
     def close(self) -> None:
-        """Idempotent (a core that died is closed when noticed, and again at shutdown)."""
-        self.commands.close(linger=0)
+        with self._send_lock:
+            self.commands.close(linger=0)
         self.outputs.close(linger=0)
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
 
 
 class EngineCoreClient(EngineClient):
@@ -76,25 +72,28 @@ class EngineCoreClient(EngineClient):
     def __init__(self, model_dir: str | Path, parameters: Mapping[str, str], overrides: Mapping[str, Any],
                  on_health: Callable[[str | None], None] | None = None) -> None:
         config = EngineConfig.from_parameters(parameters, **overrides)  # bad values fail here, at once
-        folder = Path(config.model_path or model_dir)
-        self._init = ("init", str(model_dir), dict(parameters), dict(overrides))
+        folder = Path(config.model.model_path or model_dir)
+        self._init = cm.Init(str(model_dir), dict(parameters), dict(overrides))
         self._on_health = on_health or (lambda reason: None)
         self._zmq = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="pier-llm-core-")
         self._send_lock = threading.Lock()
+        self._core: _Core | None = None  # the one serving now
         self._generation = 0
-        self._restarts: list[float] = []
+        self._pid = 0
+        self._died = ""  # how the last core died
         self._dead: str | None = None
-        self._stopped = False
+        policy = RestartPolicy(MAX_RESTARTS, RESTART_WINDOW_S, RESTART_BACKOFF_S, MAX_BACKOFF_S)
+        self._supervisor = Supervisor(self, policy, "llm-core", STOP_TIMEOUT_S)
         try:
-            tokenizer = Tokenizer(folder)
-            self._core, facts, stats = self._start()
+            self._tokenizer = Tokenizer(folder)
+            self._supervisor.start()  # the first core's `serving` makes this client whole (EngineClient's part)
+        except ChildExited as exc:
+            self._cleanup()
+            raise RuntimeError(f"the LLM engine process {exc.cause} while loading") from None
         except BaseException:
             self._cleanup()
             raise
-        super().__init__(tokenizer, facts, stats)
-        self._reader = threading.Thread(target=self._read, name="llm-core-reader", daemon=True)
-        self._reader.start()
 
     @classmethod
     def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str],
@@ -104,140 +103,151 @@ class EngineCoreClient(EngineClient):
 
     @property
     def pid(self) -> int:
-        """The core process's pid (for operators and fault tests)."""
-        return self._core.proc.pid
+        """The core process's pid (for operators and fault tests): the one serving, or the last one."""
+        return self._pid
 
     def unavailable_reason(self) -> str | None:
         return super().unavailable_reason() or self._dead
 
-    # -- starting ----------------------------------------------------------------------------------
-
-    def _start(self) -> tuple[_Process, EngineFacts, EngineStats]:
-        """Spawn a core and wait until its engine has loaded (blocking; as long as the load takes).
-        Raises ValueError with the engine's reason when it cannot load, RuntimeError if it dies."""
-        self._generation += 1
-        p = _Process(self._zmq, self._dir, self._generation)
-        try:
-            poller = zmq.Poller()
-            poller.register(p.commands, zmq.POLLOUT)  # writable once the core has connected
-            poller.register(p.outputs, zmq.POLLIN)
-            poller.register(p.pidfd, zmq.POLLIN)
-            while True:
-                events = dict(poller.poll(500))
-                if self._stopped:  # shut down while (re)starting: this core goes too
-                    raise EngineDeadError("the engine was shut down")
-                if events.get(p.commands, 0) & zmq.POLLOUT:
-                    p.commands.send(pickle.dumps(self._init))
-                    poller.unregister(p.commands)
-                    continue
-                if p.outputs in events:
-                    kind, payload = p.outputs.recv_multipart()
-                    if kind == core.READY:
-                        facts, stats = pickle.loads(payload)
-                        log.info("LLM engine core started (pid %d)", p.proc.pid)
-                        return p, facts, stats
-                    name, message = pickle.loads(payload)
-                    p.proc.wait(timeout=STOP_TIMEOUT_S)
-                    raise ValueError(message) if name in ("ValueError", "KeyError") else RuntimeError(
-                        f"{name}: {message}")
-                if p.pidfd in events:
-                    raise RuntimeError(f"the LLM engine process {exit_cause(p.proc.wait())} while loading")
-        except BaseException:
-            self._stop_process(p)
-            raise
-
-    def _stop_process(self, p: _Process) -> None:
-        if p.proc.poll() is None:
-            try:
-                with self._send_lock:
-                    p.commands.send(pickle.dumps(("stop",)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                p.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
-        p.close()
-
     # -- commands ----------------------------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
-        data = pickle.dumps(command)
+    def _send(self, command: cm.Add | cm.Abort) -> None:
+        data = encode(command)
         with self._send_lock:
+            core = self._core
             try:
-                self._core.commands.send(data, zmq.NOBLOCK)
+                if core is None:
+                    raise zmq.ZMQError(zmq.ENOTSOCK)
+                core.commands.send(data, zmq.NOBLOCK)
             except zmq.ZMQError:  # zmq.Again: no core connected (it died); ENOTSOCK: being replaced
                 raise EngineDeadError(self._dead or "the LLM engine process is not running") from None
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._reader.join(timeout=STOP_TIMEOUT_S + 5)
+        self._supervisor.stop()
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._cleanup()
 
     def _cleanup(self) -> None:
-        core_ = getattr(self, "_core", None)
-        if core_ is not None:
-            self._stop_process(core_)
         self._zmq.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # -- the reader thread -------------------------------------------------------------------------
+    # -- the supervisor's owner (its thread) ------------------------------------------------------
 
-    def _read(self) -> None:
-        while not self._stopped:
-            p = self._core
-            poller = zmq.Poller()
-            poller.register(p.outputs, zmq.POLLIN)
-            poller.register(p.pidfd, zmq.POLLIN)
-            while not self._stopped:
-                events = dict(poller.poll(500))
-                if p.outputs in events:
-                    self._drain(p)
-                if p.pidfd in events:
-                    self._drain(p)  # what it sent before it died still counts
-                    self._died(p)
-                    break
-            if self._dead is not None and not self._stopped:
-                return  # not restarted: down until a reload
+    def launch(self) -> tuple[Launch, _Core]:
+        self._generation += 1
+        core = _Core(self._zmq, self._dir, self._generation, self._send_lock)
+        return Launch([sys.executable, "-m", "pier.backends.llm.engine_core", *core.addresses],
+                      new_session=True), core
 
-    def _drain(self, p: _Process) -> None:
+    def started(self, child: Child[_Core]) -> Readers:
+        """Send Init once the core has connected; its Ready (or LoadFailed) settles the start."""
+        core = child.link
+
+        def send_init() -> bool:
+            if not core.commands.getsockopt(zmq.EVENTS) & zmq.POLLOUT:  # not connected yet
+                return True
+            core.commands.send(encode(self._init))
+            return False
+
+        def answer() -> bool:
+            for event in self._events(core, lambda exc, data: child.refuse(RuntimeError(str(exc)))):
+                if isinstance(event, cm.Ready):
+                    core.ready = event
+                    child.ready()
+                elif isinstance(event, cm.LoadFailed):
+                    child.refuse(ValueError(event.message) if event.kind in ("ValueError", "KeyError") else
+                                 RuntimeError(f"{event.kind}: {event.message}"))
+            return True
+
+        return {core.commands.getsockopt(zmq.FD): send_init, core.outputs.getsockopt(zmq.FD): answer}
+
+    def serving(self, child: Child[_Core]) -> Readers:
+        core = child.link
+        assert core.ready is not None
+        if child.generation == 1:  # the first core: the client is made from what it reported
+            super().__init__(self._tokenizer, core.ready.facts, core.ready.stats)
+        else:
+            self._set_stats(core.ready.stats)
+        with self._send_lock:
+            self._core, self._pid = core, child.pid
+        log.info("LLM engine core started (pid %d)", child.pid)
+        return {core.outputs.getsockopt(zmq.FD): lambda: self._read(core)}
+
+    def restarted(self, child: Child[_Core]) -> None:
+        self._dead = None
+        log.info("LLM engine core restarted (pid %d)", child.pid)
+        self._on_health(None)
+
+    def lost(self, child: Child[_Core] | None, end: Exit) -> None:
+        if child is not None:
+            with self._send_lock:
+                self._core = None
+            self._died = reason = f"the LLM engine process (pid {child.pid}) {end.cause}"
+            log.error("%s; its requests failed", reason)
+            self._dead = reason
+            self._on_health(reason)  # first: the model is UNAVAILABLE before any client hears of the failure
+            self._fail_all(EngineDeadError(reason))
+        else:
+            error = end.error
+            if isinstance(error, ChildExited):
+                error = RuntimeError(f"the LLM engine process {error.cause} while loading")
+            self._dead = reason = f"{self._died}; the restart failed: {error}"
+            log.error("%s", reason)
+            self._on_health(reason)
+        if end.restart_in is None:
+            self._dead = (f"{reason}; not restarted: it died {end.restarts + 1} times in "
+                          f"{end.policy.window_s:.0f} s (reload the model to start it again)")
+            self._on_health(self._dead)
+
+    def ask_to_stop(self, child: Child[_Core]) -> None:
+        try:
+            with self._send_lock:
+                child.link.commands.send(encode(cm.Stop()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def stopped(self, child: Child[_Core] | None, killed: bool) -> None:
+        with self._send_lock:
+            self._core = None
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # -- the core's events ---------------------------------------------------------------------------
+
+    def _read(self, core: _Core) -> bool:
+        for event in self._events(core, self._unreadable):
+            if isinstance(event, cm.Outputs):
+                self._set_stats(event.stats)
+                self._dispatch(event.outputs)
+            elif isinstance(event, cm.Refused):
+                self._fail(event.request_id, ValueError(event.message))
+        return True
+
+    @staticmethod
+    def _events(core: _Core, on_bad: Callable[[BadMessage, memoryview], None]) -> list[cm.Event]:
+        """Every event waiting (without blocking); one that does not decode goes to `on_bad`,
+        said on the log."""
+        events: list[cm.Event] = []
         while True:
             try:
-                kind, payload = p.outputs.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = core.outputs.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            if kind.bytes == core.OUT:
-                outs, stats = core.OUT_DECODER.decode(payload.buffer)
-                self._set_stats(stats)
-                self._dispatch(outs)
-            elif kind.bytes == core.FAIL:
-                rid, message = core.FAIL_DECODER.decode(payload.buffer)
-                self._fail(rid, ValueError(message))
+                return events
+            try:
+                events.append(cm.EVENTS.decode(frame.buffer))
+            except BadMessage as exc:
+                log.error("%s", exc)
+                on_bad(exc, frame.buffer)
 
-    def _died(self, p: _Process) -> None:
-        reason = f"the LLM engine process (pid {p.proc.pid}) {exit_cause(p.proc.wait())}"
-        log.error("%s; its requests failed", reason)
-        self._dead = reason
-        self._on_health(reason)  # first: the model is UNAVAILABLE before any client hears of the failure
-        self._fail_all(EngineDeadError(reason))
-        p.close()
-        now = time.monotonic()
-        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-        if len(self._restarts) >= MAX_RESTARTS:
-            self._dead = (f"{reason}; not restarted: it died {MAX_RESTARTS + 1} times in "
-                          f"{RESTART_WINDOW_S:.0f} s (reload the model to start it again)")
-            self._on_health(self._dead)
-            return
-        self._restarts.append(now)
-        try:
-            self._core, _, stats = self._start()
-        except (ValueError, RuntimeError, OSError) as e:  # EngineDeadError: shut down meanwhile
-            self._dead = f"{reason}; the restart failed: {e}"
-            self._on_health(self._dead)
-            return
-        self._set_stats(stats)
-        self._dead = None
-        log.info("LLM engine core restarted (pid %d)", self._core.proc.pid)
-        self._on_health(None)
+    def _unreadable(self, exc: BadMessage, data: memoryview) -> None:
+        """An event that does not decode fails the requests it names (a Refused's id, the request
+        ids of an Outputs' entries, as far as a plain msgpack read tells), and no other."""
+        rids: list[str] = [exc.ref] if isinstance(exc.ref, str) else []
+        if not rids and exc.kind == "Outputs":
+            try:
+                raw = msgspec.msgpack.decode(data)
+                rids = [o["request_id"] for o in raw[1] if isinstance(o, dict) and isinstance(o.get("request_id"), str)]
+            except Exception:  # nothing to tell
+                pass
+        for rid in rids:
+            self._fail(rid, RuntimeError(str(exc)))

@@ -1,64 +1,40 @@
 """The engine-core process: an LLMEngine stepping in a process of its own (vLLM's EngineCore).
 
-Started by core_client.EngineCoreClient as `python -m pier.backends.llm.engine_core IN OUT PARENT`.
-It connects a PULL socket to IN (commands from the server) and a PUSH socket to OUT (outputs to
-it), both ZeroMQ ipc:// addresses the server bound in a private folder:
-
-    server -> core   pickle: ("init", model_dir, parameters, overrides) once, then
-                     ("add", request_id, prompt ids, SamplingParams), ("abort", request_id), ("stop",)
-    core -> server   [b"ready", pickle(EngineFacts)] or [b"failed", pickle((type name, message))] once,
-                     then per step [b"out", msgpack((outputs, stats))] and
-                     [b"fail", msgpack((request_id, message))] for a request the engine refused
+Started by core_client.EngineCoreClient (through pier.ipc's Supervisor) as
+`python -m pier.backends.llm.engine_core IN OUT`. It connects a PULL socket to IN (commands from
+the server) and a PUSH socket to OUT (events to it), both ZeroMQ ipc:// addresses the server
+bound in a private folder; the messages are core_messages.py's: Init once, answered Ready or
+LoadFailed, then Add / Abort / Stop in, and per step Outputs (and Refused for a request the
+engine would not take) out.
 
 Per-step outputs are the hot path: msgspec's msgpack encodes the RequestOutput dataclasses (about
-a microsecond each); the rare commands carry SamplingParams by pickle. The process dies with the
-server (a watchdog thread checks its parent), and ignores the terminal's Ctrl-C (it
-runs in its own session): the server stops it.
+a microsecond each). The process dies with the server (pier.ipc.processes.die_with_parent:
+PR_SET_PDEATHSIG, valid because the supervisor forks it from a thread that outlives it), and
+ignores the terminal's Ctrl-C (it runs in its own session too): the server stops it.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
 import signal
 import sys
-import threading
-import time
 from typing import Any
 
-import msgspec
 import zmq
 
-from .engine import EngineStats, RequestOutput
+from pier.ipc.messages import BadMessage, encode
+from pier.ipc.processes import die_with_parent
 
-READY, FAILED, OUT, FAIL = b"ready", b"failed", b"out", b"fail"
-PARENT_CHECK_S = 0.5  # how often the core checks that its server is still there
-
-_encoder = msgspec.msgpack.Encoder()
-OUT_DECODER = msgspec.msgpack.Decoder(tuple[list[RequestOutput], EngineStats])
-FAIL_DECODER = msgspec.msgpack.Decoder(tuple[str, str])
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this process as soon as the server is gone (it was killed, it crashed): a watchdog
-    thread, as PR_SET_PDEATHSIG would fire when the server's *thread* that started it exits."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+from .core_messages import COMMANDS, Abort, Add, EngineFacts, Init, LoadFailed, Outputs, Ready, Refused, Stop
+from .outputs import EngineStats, RequestOutput
 
 
 class EngineCore:
     """The step loop: drain commands, step, send what the step produced."""
 
-    def __init__(self, engine: Any, commands: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
+    def __init__(self, engine: Any, commands: zmq.Socket, outputs: zmq.Socket) -> None:
         self.engine = engine
         self.commands = commands
         self.outputs = outputs
-        self.parent = parent
         self._sent_stats: EngineStats | None = None
 
     def run(self) -> None:
@@ -75,7 +51,7 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 - a step failed: fail what is in flight, keep serving
                     for rid in list(engine._requests):
                         engine.abort(rid)
-                        self._send_fail(rid, f"LLM engine step failed: {e!r}")
+                        self._refuse(rid, f"LLM engine step failed: {e!r}")
             self._send(outs)
 
     def _drain(self, outs: list[RequestOutput]) -> bool:
@@ -85,16 +61,21 @@ class EngineCore:
                 raw = self.commands.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            cmd = pickle.loads(raw)
-            if cmd[0] == "add":
-                _, rid, ids, sampling = cmd
+            try:
+                cmd = COMMANDS.decode(raw)
+            except BadMessage as exc:  # fails the request it names, if any; said on the server's log either way
+                print(f"LLM engine core: {exc}", file=sys.stderr, flush=True)
+                if isinstance(exc.ref, str):
+                    self._refuse(exc.ref, str(exc))
+                continue
+            if isinstance(cmd, Add):
                 try:
-                    self.engine.add_request(rid, ids, sampling)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling)
                 except ValueError as e:
-                    self._send_fail(rid, str(e))
-            elif cmd[0] == "abort":
-                outs.extend(self.engine.abort(cmd[1]))
-            elif cmd[0] == "stop":
+                    self._refuse(cmd.request_id, str(e))
+            elif isinstance(cmd, Abort):
+                outs.extend(self.engine.abort(cmd.request_id))
+            elif isinstance(cmd, Stop):
                 return False
 
     def _send(self, outs: list[RequestOutput]) -> None:
@@ -102,16 +83,15 @@ class EngineCore:
         if not outs and stats == self._sent_stats:
             return
         self._sent_stats = stats
-        self.outputs.send_multipart([OUT, _encoder.encode((outs, stats))], copy=False)
+        self.outputs.send(encode(Outputs(outs, stats)), copy=False)
 
-    def _send_fail(self, request_id: str, message: str) -> None:
-        self.outputs.send_multipart([FAIL, _encoder.encode((request_id, message))])
+    def _refuse(self, request_id: str, message: str) -> None:
+        self.outputs.send(encode(Refused(request_id, message)))
 
 
 def main(argv: list[str]) -> int:
-    in_addr, out_addr, parent = argv[0], argv[1], int(argv[2])
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    in_addr, out_addr = argv[0], argv[1]
+    die_with_parent(ignore=(signal.SIGINT,))
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     commands.connect(in_addr)
@@ -120,20 +100,21 @@ def main(argv: list[str]) -> int:
     outputs.connect(out_addr)
     if not commands.poll(60_000):
         return 1
-    _, model_dir, parameters, overrides = pickle.loads(commands.recv())
     try:
-        from .async_engine import EngineFacts
+        init = COMMANDS.decode(commands.recv())
+        if not isinstance(init, Init):
+            raise BadMessage(COMMANDS.protocol, type(init).__name__, None, "expected Init first")
         from .engine import LLMEngine
 
-        engine = LLMEngine.from_parameters(model_dir, parameters, **overrides)
+        engine = LLMEngine.from_parameters(init.model_dir, init.parameters, **init.overrides)
         facts = EngineFacts.of(engine)
     except Exception as e:  # noqa: BLE001 - the server reports it as the load's failure
-        outputs.send_multipart([FAILED, pickle.dumps((type(e).__name__, str(e)))])
+        outputs.send(encode(LoadFailed(type(e).__name__, str(e))))
         outputs.close()
         return 1
-    outputs.send_multipart([READY, pickle.dumps((facts, engine.stats()))])
+    outputs.send(encode(Ready(facts, engine.stats())))
     try:
-        EngineCore(engine, commands, outputs, parent).run()
+        EngineCore(engine, commands, outputs).run()
     finally:
         outputs.close(linger=1000)
         commands.close(linger=0)

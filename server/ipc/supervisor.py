@@ -277,7 +277,7 @@ class Supervisor(Generic[L]):
         self._start_timeout_s = start_timeout_s
         self._generation = 0
         self._stopping = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
+        self._wake_r = self._wake_w = -1  # a pipe, from start() on: stop() wakes the thread's poll
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -285,6 +285,7 @@ class Supervisor(Generic[L]):
     def start(self) -> Child[L]:
         """Start the first child and wait until it is ready; raises why it could not start (the
         owner's refusal, ChildExited, StartTimeout, OSError), and then nothing is left running."""
+        self._wake_r, self._wake_w = os.pipe()
         self._thread.start()
         self._started.wait()
         if self._start_error is not None or self.child is None:

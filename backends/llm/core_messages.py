@@ -1,0 +1,91 @@
+"""The protocol between the server (core_client.EngineCoreClient) and the engine-core process
+(engine_core.py), as vLLM keeps EngineCoreRequest / EngineCoreOutputs: typed Messages
+(pier.ipc.messages), each one ZeroMQ frame.
+
+    server -> core   Init (once), then Add, Abort, and Stop         (Command)
+    core -> server   Ready | LoadFailed (to Init), then per step Outputs (the step's RequestOutputs
+                     and the engine's stats), and Refused for a request the engine would not take  (Event)
+
+The first field of a message about one request is its id, so one that does not decode fails that
+request alone (pier.ipc.messages.BadMessage.ref). SamplingParams, RequestOutput, EngineStats and
+EngineFacts are dataclasses that msgspec encodes as they are: no pickle. The same Add and Abort
+are what EngineClient hands the engine in a thread (async_engine.AsyncLLMEngine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pier.ipc.messages import Codec, Message
+
+from .outputs import EngineStats, RequestOutput
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What callers read of an engine without asking it: fixed once it has loaded."""
+
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict[str, Any]
+    max_tokens_cap: int | None
+    cache_config_info: dict[str, str]
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.max_model_len, engine.model_config.vocab_size, dict(engine.generation_defaults),
+                   engine.config.model.max_tokens_cap, engine.cache_config_info())
+
+
+class Init(Message):
+    """Load the engine (LLMEngine.from_parameters(model_dir, parameters, **overrides))."""
+
+    model_dir: str
+    parameters: dict[str, str]
+    overrides: dict[str, Any]
+
+
+class Add(Message):
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+class Abort(Message):
+    request_id: str
+
+
+class Stop(Message):
+    pass
+
+
+class Ready(Message):
+    facts: EngineFacts
+    stats: EngineStats
+
+
+class LoadFailed(Message):
+    kind: str  # the exception's type name: ValueError and KeyError are the model's fault, the rest the engine's
+    message: str
+
+
+class Outputs(Message):
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class Refused(Message):
+    request_id: str
+    message: str
+
+
+Command = Init | Add | Abort | Stop
+Event = Ready | LoadFailed | Outputs | Refused
+
+COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
+EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")
