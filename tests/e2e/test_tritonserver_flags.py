@@ -178,7 +178,7 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
 
 def test_restriction_flags_are_checked() -> None:
     """A bad rule stops `pier serve` with tritonserver 2.51's words (probed), for --http-restricted-api
-    and --grpc-restricted-protocol; every wording: tests/server/test_guards.py."""
+    and --grpc-restricted-protocol; every wording: tests/server/test_guards_and_restrictions.py."""
     for flag, kind in (("--http-restricted-api", "api"), ("--grpc-restricted-protocol", "protocol")):
         proc = subprocess.run([sys.executable, "-m", "pier", "serve", f"--model-repository={EXAMPLE_REPO}",
                                f"{flag}=health:k=v", f"{flag}=health,metadata:k2=v2"], capture_output=True, text=True,
