@@ -62,6 +62,7 @@ def test_the_core_refuses_only_the_command_it_cannot_read(llama_dir, prompts, ca
         ctx.term()
 
 
+@pytest.mark.slow
 def test_the_client_fails_only_the_request_whose_event_it_cannot_read(llama_dir, prompts,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A real engine-core process serves two streams; events that do not decode, sent onto the
