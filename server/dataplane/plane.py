@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pier import __version__
 from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
@@ -37,6 +37,35 @@ def _as_requested(t: Tensor, requested: RequestedOutput, spec: ModelSpec) -> Ten
     if requested.parameters and requested.parameters.get("classification"):
         return classify(t, class_count(requested.parameters), spec.max_batch_size > 0, spec.labels.get(t.name, ()))
     return t
+
+
+class Stamping(Protocol):
+    @property
+    def on(self) -> bool:
+        """Whether requests get the frontend's receive stamp (tracing is on for some model)."""
+
+
+class InferencePlane(Protocol):
+    """What the inference handlers (HTTP `POST .../infer`, gRPC ModelInfer; frontends/http/infer.py,
+    frontends/grpc/infer.py) need of a data plane: DataPlane in the server process, RemotePlane in
+    a frontend process (frontends/workers/worker.py), which serves only requests that name no
+    shared-memory region (its `shared_memory` is None: those go to the server whole, decided
+    before any tensor is decoded)."""
+
+    @property
+    def exiting(self) -> bool:
+        """The server drains: answers say `Connection: close`."""
+
+    @property
+    def tracer(self) -> Stamping: ...
+
+    @property
+    def shared_memory(self) -> SystemSharedMemory | None:
+        """The regions requests may name (None: none may)."""
+
+    async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
+                    model: LoadedModel | None = None, protocol: str = "", received_ns: int = 0) -> T:
+        """One request: run it, then `encode` the answer (see DataPlane.serve)."""
 
 
 class DataPlane:

@@ -71,6 +71,11 @@ def _in_shm(t: Any) -> bool:
     return bool(t.parameters) and "shared_memory_region" in t.parameters
 
 
+def names_shared_memory(req: pb.ModelInferRequest) -> bool:
+    """Whether a request puts an input or an output in shared memory (read before decoding it)."""
+    return any(_in_shm(t) for t in req.inputs) or any(_in_shm(o) for o in req.outputs)
+
+
 def _check_raw_count(raw: Any, sent: list[Any], model: str) -> None:
     if len(raw) < len(sent):
         raise invalid_arg(f"unable to find data for input tensor '{sent[len(raw)].name}' for model '{model}'")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -24,16 +23,14 @@ from pier.frontends import restrictions
 from pier.frontends.grpc import codec
 from pier.frontends.grpc.errors import grpc_code
 from pier.frontends.grpc.guard import GrpcApiKeys
+from pier.frontends.grpc.infer import UnaryInfer
 from pier.frontends.grpc.restrict import GrpcRestrictions
-from pier.frontends.guards import ApiKeys, RateLimiter, limited_message, presented_key
-from pier.lifecycle.loaded_model import LoadedModel
+from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.observability import log_settings
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import grpc_service_pb2_grpc as pb_grpc
 from pier.protocol import health_pb2, health_pb2_grpc
 from pier.settings import GrpcSsl
-from pier.tensors.validation import forward_headers
-from pier.tensors.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.grpc")
 
@@ -111,11 +108,6 @@ def _repository_parameters(params: Any) -> dict[str, Any]:
     return out
 
 
-def rate_limited(model: str, refused: tuple[float, str]) -> PierError:
-    """The gRPC error for a request a rate limit refused ((seconds to wait, the limit's scope))."""
-    return PierError(ErrorCode.RATE_LIMITED, limited_message(model, refused[1], refused[0]))
-
-
 def _refuse_while_stopping(request: InferenceRequest) -> None:
     """A stream's new request while the server drains gets Triton's refusal (its schedulers stop
     taking requests at SIGTERM, all but those of sequences already running): a stream has no
@@ -134,20 +126,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                  limiter: RateLimiter | None = None) -> None:
         self.plane = plane
         self.control = control
-        # --grpc-header-forward-pattern: metadata that becomes request parameters
-        self.header_pattern = compile_pattern(header_pattern)
-        self.limiter = limiter
-
-    def _decode(self, request: pb.ModelInferRequest, context: Any) -> InferenceRequest:
-        if self.limiter is not None and self.limiter.enabled:  # --rate-limit-model / --rate-limit-key
-            key = presented_key(dict(context.invocation_metadata() or ()))
-            refused = self.limiter.admit(request.model_name, key)
-            if refused is not None:
-                raise rate_limited(request.model_name, refused)
-        decoded = codec.decode_request(request, self.plane.shared_memory)
-        if self.header_pattern is not None:
-            forward_headers(self.header_pattern, context.invocation_metadata() or (), decoded.parameters)
-        return decoded
+        self.unary = UnaryInfer(plane, header_pattern, limiter)
 
     @_translate
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
@@ -209,16 +188,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        received = time.perf_counter_ns() if self.plane.tracer.on else 0
-        return await self._infer_one(request, received, self._decode(request, context))
-
-    async def _infer_one(self, request: pb.ModelInferRequest, received: int, infer_request: InferenceRequest,
-                         model: LoadedModel | None = None) -> pb.ModelInferResponse:
-        """ModelInfer (and a stream's request to a model that is not decoupled). `received`: when
-        the request was read (before the handler ran), 0 when not traced."""
-        shm = self.plane.shared_memory
-        return await self.plane.serve(infer_request, lambda answer: codec.encode_response(answer, infer_request, shm),
-                                      model, "GRPC", received)
+        received = self.unary.received()
+        return await self.unary.serve(received, self.unary.decode(request, context))
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -239,8 +210,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             decoupled = False
             try:
                 try:
-                    received = time.perf_counter_ns() if self.plane.tracer.on else 0
-                    request = self._decode(req, context)
+                    received = self.unary.received()
+                    request = self.unary.decode(req, context)
                     if self.plane.exiting:
                         _refuse_while_stopping(request)
                     model = self.plane.resolve(request.model_name, request.model_version)  # once per request
@@ -251,7 +222,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     return
                 if not decoupled:
                     try:
-                        resp = await self._infer_one(req, received, request, model)
+                        resp = await self.unary.serve(received, request, model)
                         resp.parameters["triton_final_response"].bool_param = True
                         message = pb.ModelStreamInferResponse(infer_response=resp)
                     except PierError as exc:

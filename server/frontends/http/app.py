@@ -4,7 +4,6 @@ DataPlane -> wire. Unknown paths answer 404 {"error":"Not Found"}, wrong verbs 4
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -14,10 +13,11 @@ from pier.contract.errors import ErrorCode, PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse
 from pier.control.plane import ControlPlane
 from pier.dataplane import shared_memory
-from pier.dataplane.plane import DataPlane
+from pier.dataplane.plane import DataPlane, InferencePlane
 from pier.frontends import restrictions
 from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.frontends.http import codec, generate, openai
+from pier.frontends.http.infer import InferHandler
 from pier.frontends.http.middleware import error_middleware, guard_middleware, restrict_middleware
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.observability import log_settings
@@ -26,10 +26,6 @@ from pier.tensors.validation import header_pattern as compile_pattern
 
 log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Smaller answers go out uncompressed even when the client accepts gzip (HTTP allows it): most
-# clients (requests, aiohttp) always send Accept-Encoding, and compressing a few hundred bytes
-# costs more time than it saves.
-COMPRESS_MIN_BYTES = 1024
 
 
 def _json(doc: object) -> web.Response:
@@ -51,6 +47,7 @@ class HttpHandlers:
         self.control = control
         self.max_json_size = max_json_size
         self.header_pattern = header_pattern  # --http-header-forward-pattern
+        self.inference = InferHandler(plane, max_json_size, header_pattern)
 
     # Health answers as Triton 2.51's (probed): text/plain, empty when ready.
     async def live(self, request: web.Request) -> web.Response:
@@ -255,11 +252,9 @@ class HttpHandlers:
         raise PierError(ErrorCode.UNSUPPORTED, f"{request.path} is not implemented by this server yet")
 
     async def infer(self, request: web.Request) -> web.Response:
-        received = time.perf_counter_ns()
-        body = await codec.read_body(request, self.max_json_size, json_only=codec.HEADER_LENGTH not in request.headers)
+        received = self.inference.received()
+        body, json_length = await self.inference.read(request)
         model, version = request.match_info["model"], _version(request)
-        json_length = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
-        codec.check_json_size(len(body) if json_length is None else json_length, self.max_json_size)
         resolved = None  # the JSON and binary paths decode without the model: the plane resolves it
         if json_length == 0:  # a raw binary body: decoded against the signature of the version it runs on
             resolved = self.plane.resolve(model, version)
@@ -267,21 +262,7 @@ class HttpHandlers:
                                                      resolved.spec.max_batch_size > 0, body)
         else:
             infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
-        forward_headers(self.header_pattern, request.headers.items(), infer_request.parameters)
-        compress = "Accept-Encoding" in request.headers
-
-        def reply(response: InferenceResponse) -> web.Response:  # built here; aiohttp writes it after
-            payload, header_len = codec.encode_response(response, infer_request, self.plane.shared_memory)
-            if header_len is None:
-                out = web.Response(body=payload, content_type="application/json")
-            else:
-                out = web.Response(body=payload, content_type="application/octet-stream",
-                                   headers={codec.HEADER_LENGTH: str(header_len)})
-            if compress and len(payload) >= COMPRESS_MIN_BYTES:
-                out.enable_compression()  # gzip or deflate, as the client accepts
-            return out
-
-        return await self.plane.serve(infer_request, reply, resolved, "HTTP", received)
+        return await self.inference.answer(request, infer_request, received, resolved)
 
 
 # Whole-body cap: binary tensor data is not bounded by --http-max-input-size (as in Triton), but
@@ -289,7 +270,7 @@ class HttpHandlers:
 MAX_BODY_BYTES = (1 << 31) - 1
 
 
-def close_when_exiting(app: web.Application, plane: DataPlane) -> None:
+def close_when_exiting(app: web.Application, plane: InferencePlane) -> None:
     """While the server drains (SIGTERM) requests are still served, as in Triton, each with
     `Connection: close`: a client on a kept-alive connection reconnects, and a load balancer
     sends the new connection to a pod that is staying (readiness is 503 here)."""

@@ -115,17 +115,54 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def decode_request(model: str, version: str, body: bytes, json_length: int | None,
-                   shm: SystemSharedMemory | None = None) -> InferenceRequest:
-    """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON;
-    0 is a raw binary request, see `decode_raw_request`). `shm`: the registered shared-memory
-    regions inputs and outputs may name (None: none may)."""
+def is_raw_binary(headers: Any) -> bool:
+    """Whether the request headers announce Triton's raw binary body (Inference-Header-Content-Length
+    0: no JSON header, the body is the one input's bytes, decoded against the model's signature)."""
+    value = headers.get(HEADER_LENGTH)
+    try:
+        return value is not None and int(value) == 0
+    except ValueError:  # decoding says what is wrong with it
+        return False
+
+
+def parse_infer_body(body: bytes, json_length: int | None) -> tuple[Any, memoryview]:
+    """An infer body's JSON header, parsed, and the binary blobs after it. `json_length` is the
+    Inference-Header-Content-Length (None: all JSON)."""
     view = memoryview(body)
     if json_length is None:
         header, blobs = view, view[len(view):]
     else:
         header, blobs = view[:json_length], view[json_length:]
-    doc = parse_json(header)
+    return parse_json(header), blobs
+
+
+def names_shared_memory(doc: Any) -> bool:
+    """Whether a parsed JSON header puts an input or an output in shared memory (its parameters
+    name a `shared_memory_region`, well formed or not). Tolerant: what is malformed otherwise is
+    for decoding to refuse."""
+    if not isinstance(doc, dict):
+        return False
+    for key in ("inputs", "outputs"):
+        items = doc.get(key)
+        if isinstance(items, list):
+            for item in items:
+                params = item.get("parameters") if isinstance(item, dict) else None
+                if isinstance(params, dict) and "shared_memory_region" in params:
+                    return True
+    return False
+
+
+def decode_request(model: str, version: str, body: bytes, json_length: int | None,
+                   shm: SystemSharedMemory | None = None) -> InferenceRequest:
+    """Parse an infer body. `json_length` is the Inference-Header-Content-Length (None: all JSON;
+    0 is a raw binary request, see `decode_raw_request`). `shm`: the registered shared-memory
+    regions inputs and outputs may name (None: none may)."""
+    return decode_parsed(model, version, *parse_infer_body(body, json_length), shm)
+
+
+def decode_parsed(model: str, version: str, doc: Any, blobs: memoryview,
+                  shm: SystemSharedMemory | None = None) -> InferenceRequest:
+    """`decode_request` for a body `parse_infer_body` split already."""
     if not isinstance(doc, dict):
         raise invalid_arg("the request JSON must be an object")
     rid = doc.get("id", "")

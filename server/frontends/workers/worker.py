@@ -1,9 +1,14 @@
 """A frontend process (`--frontend-processes N`): accepts HTTP and gRPC connections on the
-server's ports (SO_REUSEPORT: the kernel spreads connections over the N processes) and does the
-protocol work of inference requests itself: it parses and decodes them with the same codecs as
-the server, sends the decoded request to the server process over its channel (channel.py),
-and encodes the answer. Everything else (and an inference request that names shared memory,
-raw binary bodies that need the model's signature) is relayed whole to the server (proxy.py).
+server's ports (SO_REUSEPORT: the kernel spreads connections over the N processes) and serves the
+v2 tensor paths itself: `POST /v2/models/{model}[/versions/{version}]/infer` and gRPC ModelInfer.
+It parses and decodes them with the same codecs and handlers as the server (http/infer.py,
+grpc/infer.py, over `RemotePlane`: the server's DataPlane at the other end of its channel,
+channel.py), and encodes the answer. Everything else is relayed whole to the server (proxy.py).
+
+Which of the two is decided before anything is decoded: from the request line (the route) and
+the headers (a compressed body, a raw binary one, which needs the model's signature), and, on
+those paths, from the inference header itself (the HTTP JSON header, parsed once, or the gRPC
+message), which says whether a tensor is in shared memory (the server holds the regions).
 
     python -m pier.frontends.workers.worker FD INDEX
 
@@ -16,14 +21,14 @@ channel closes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
 import socket
 import sys
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 import msgspec
@@ -31,18 +36,14 @@ from aiohttp import web
 
 from pier.contract.errors import ErrorCode, PierError, unavailable
 from pier.contract.types import InferenceRequest, InferenceResponse
-from pier.dataplane.plane import DataPlane
 from pier.frontends import restrictions
-from pier.frontends.grpc.servicer import (
-    InferenceServicer,
-    _lenient,
-    _translate,
-    bind_and_start,
-    grpc_server,
-    rate_limited,
-)
+from pier.frontends.grpc import codec as grpc_codec
+from pier.frontends.grpc.infer import UnaryInfer, rate_limited
+from pier.frontends.grpc.servicer import _lenient, _translate, bind_and_start, grpc_server
 from pier.frontends.guards import ApiKeys, RateLimiter, presented_key
-from pier.frontends.http.app import MAX_BODY_BYTES, HttpHandlers, close_when_exiting
+from pier.frontends.http import codec as http_codec
+from pier.frontends.http.app import MAX_BODY_BYTES, Handler, close_when_exiting
+from pier.frontends.http.infer import InferHandler
 from pier.frontends.http.middleware import (
     error_middleware,
     guard_middleware,
@@ -65,41 +66,23 @@ from pier.tensors.validation import header_pattern as compile_pattern
 log = logging.getLogger("pier.frontends")
 T = TypeVar("T")
 
-class NeedsServer(Exception):
-    """This request needs state only the server process holds: relay it whole."""
-
-
-class _InServer:
-    """Shared memory as a frontend sees it: the regions are registered in the server process,
-    so a request that names one is relayed there."""
-
-    def __getattr__(self, name: str) -> Any:
-        def needs_server(*args: Any, **kwargs: Any) -> Any:
-            raise NeedsServer
-        return needs_server
-
-
 class _Traced:
     on = True  # stamp each request's receive time: the server decides whether it is traced
 
 
 class RemotePlane:
-    """The part of the DataPlane that the HTTP and gRPC inference handlers call, served by the
-    server process over the channel."""
+    """The InferencePlane of a frontend process (pier.dataplane.plane.InferencePlane): `serve`
+    runs a decoded request through the server's DataPlane, over the channel. It has no shared
+    memory (the regions are the server's): a request that names one never reaches it."""
+
+    shared_memory = None
 
     def __init__(self) -> None:
         self.channel: ch.Channel | None = None
         self.exiting = False
         self.tracer = _Traced()
-        self.shared_memory = _InServer()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
-
-    def resolve(self, name: str, version: str = "") -> Any:
-        raise NeedsServer
-
-    def describe(self, model: Any, all_versions: bool = False) -> Any:
-        raise NeedsServer
 
     async def _ask(self, message: fm.Admit | fm.Infer, packer: wire.Packer | None = None) -> Any:
         """Send `message` and wait for the server's answer to it (to its `rid`); a cancelled wait
@@ -141,7 +124,7 @@ class RemotePlane:
             self.channel.send(fm.Refund(model, key))
 
     async def serve(self, request: InferenceRequest, encode: Callable[[InferenceResponse], T],
-                    model: Any = None, protocol: str = "", received_ns: int = 0) -> T:
+                    model: object = None, protocol: str = "", received_ns: int = 0) -> T:
         packer = wire.Packer()
         wired = wire.request_out(request, packer)
         response: InferenceResponse = await self._ask(fm.Infer(next(self._ids), protocol, received_ns, wired),
@@ -178,84 +161,87 @@ class RemotePlane:
         self._pending.clear()
 
 
-def _infer_only(middleware: Any, relay: Any) -> Any:
-    """A middleware applied to the requests this process serves; relayed ones meet it in the server."""
-
-    @web.middleware
-    async def only(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.match_info.handler is relay:
-            return await handler(request)
-        return cast(web.StreamResponse, await middleware(request, handler))
-
-    return only
+def _around(handler: Handler, middlewares: list[Any]) -> Handler:
+    """`handler` inside `middlewares` (the first one outermost), composed once, when the app is built."""
+    for middleware in reversed(middlewares):
+        handler = functools.partial(middleware, handler=handler)
+    return handler
 
 
 def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> web.Application:
+    """The v2 infer routes, served here inside the guards' stack (restricted APIs, API keys: the
+    rate limits are the server's, asked with `admit`), composed once; every other request, and an
+    infer request decided for the server, relayed whole, meeting the guards in the server. Every
+    answer, relayed or not, passes error_middleware (a relay that fails is answered as an error)."""
     keys = ApiKeys(settings.api_keys)
     limited = bool(settings.rate_limit_model or settings.rate_limit_key)
-
-    async def relay(request: web.Request) -> web.StreamResponse:
-        return await proxy(request)
-
-    middlewares: list[Any] = [error_middleware]
+    stack: list[Any] = []
     rules = restrictions.parse(settings.http_restricted_api, "--http-restricted-api")
     if rules:
-        middlewares.append(_infer_only(restrict_middleware(rules), relay))
+        stack.append(restrict_middleware(rules))
     if keys.enabled:  # keys only: the server applies the rate limits (they count every frontend's requests)
-        middlewares.append(_infer_only(guard_middleware(keys, RateLimiter()), relay))
-    app = web.Application(middlewares=middlewares,
-                          client_max_size=max(settings.http_max_input_size, MAX_BODY_BYTES))
-    as_plane = cast(DataPlane, plane)  # the handlers call only what RemotePlane has
-    close_when_exiting(app, as_plane)
-    h = HttpHandlers(as_plane, cast(Any, None), settings.http_max_input_size,
-                     compile_pattern(settings.http_header_forward_pattern))
+        stack.append(guard_middleware(keys, RateLimiter()))
+    h = InferHandler(plane, settings.http_max_input_size, compile_pattern(settings.http_header_forward_pattern))
 
-    async def infer(request: web.Request) -> web.StreamResponse:
-        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
-            return await proxy(request)  # compressed: inflated (within its limit) by the server
+    async def infer_here(request: web.Request) -> web.StreamResponse:
         model, key = request.match_info["model"], presented_key(request.headers) if limited else None
         if limited:  # before the body is read, as with one process
             refused = await plane.admit(model, key)
             if refused is not None:
                 return limited_response(request.path, model, *refused)
-        try:
-            return await h.infer(request)
-        except NeedsServer:
+        received = h.received()
+        body, json_length = await h.read(request)
+        doc, blobs = http_codec.parse_infer_body(body, json_length)
+        if http_codec.names_shared_memory(doc):  # the regions are the server's: it serves this one
             if limited:
                 plane.refund(model, key)
-            return await proxy(request, await request.read())
+            return await proxy(request, body)
+        infer_request = http_codec.decode_parsed(model, request.match_info.get("version", ""), doc, blobs)
+        return await h.answer(request, infer_request, received)
 
+    served = _around(infer_here, stack)
+
+    async def infer(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity" \
+                or http_codec.is_raw_binary(request.headers):
+            # compressed: inflated (within its limit) by the server; raw binary: decoded against the
+            # model's signature, which the server holds
+            return await proxy(request)
+        return await served(request)
+
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=max(settings.http_max_input_size, MAX_BODY_BYTES))
+    close_when_exiting(app, plane)
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
         app.router.add_post(base + "/infer", infer)
-    app.router.add_route("*", "/{tail:.*}", relay)
+    app.router.add_route("*", "/{tail:.*}", proxy)
     return app
 
 
-class FrontendServicer(InferenceServicer):
-    """ModelInfer decoded and encoded here; a request that names shared memory is relayed."""
+class FrontendServicer:
+    """ModelInfer decoded and encoded here (over the RemotePlane); one that puts a tensor in shared
+    memory is relayed whole, decided before it is decoded (and before the server's rate limits
+    are asked: the server counts it)."""
 
     def __init__(self, plane: RemotePlane, header_pattern: str, limited: bool, forwarder: GrpcForwarder) -> None:
-        super().__init__(cast(DataPlane, plane), cast(Any, None), header_pattern)
         self._remote = plane
+        self._unary = UnaryInfer(plane, header_pattern)
         self._limited = limited
         self._forwarder = forwarder
 
     @_translate
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        received = time.perf_counter_ns()
-        key = presented_key(dict(context.invocation_metadata() or ())) if self._limited else None
-        if self._limited:
-            refused = await self._remote.admit(request.model_name, key)
-            if refused is not None:
-                raise rate_limited(request.model_name, refused)
-        try:
-            return await self._infer_one(request, received, self._decode(request, context))
-        except NeedsServer:
-            if self._limited:
-                self._remote.refund(request.model_name, key)
+        received = self._unary.received()
+        if grpc_codec.names_shared_memory(request):
             answer = await self._forwarder.unary("/inference.GRPCInferenceService/ModelInfer",
                                                  request.SerializeToString(), context)
             return pb.ModelInferResponse.FromString(answer)
+        if self._limited:
+            key = presented_key(dict(context.invocation_metadata() or ()))
+            refused = await self._remote.admit(request.model_name, key)
+            if refused is not None:
+                raise rate_limited(request.model_name, refused)
+        return await self._unary.serve(received, self._unary.decode(request, context))
 
 
 def add_grpc_services(server: grpc.aio.Server, servicer: FrontendServicer, forwarder: GrpcForwarder) -> None:
