@@ -29,8 +29,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy
 from pier.ipc.messages import BadMessage, encode
-from pier.ipc.supervisor import Child, ChildExited, Exit, Launch, Readers, RestartPolicy, Supervisor
+from pier.ipc.supervisor import Readers, Supervisor
 
 from . import core_messages as cm
 from .async_engine import EngineClient, EngineDeadError

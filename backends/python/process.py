@@ -40,8 +40,9 @@ from pier.contract.backend import InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
 from pier.contract.types import ExecuteResult, InferenceRequest
 from pier.ipc import channel as wire
+from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy
 from pier.ipc.messages import BadMessage
-from pier.ipc.supervisor import Child, ChildExited, Exit, Launch, Readers, RestartPolicy, Supervisor
+from pier.ipc.supervisor import Readers, Supervisor
 
 from . import messages as m
 from .aux import AuxHandler, Entry, StubLink, end_stream

@@ -11,8 +11,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-from pier.ipc.processes import exit_cause
-from pier.ipc.supervisor import (
+from pier.ipc.child import (
     Child,
     ChildExited,
     Exit,
@@ -24,6 +23,7 @@ from pier.ipc.supervisor import (
     call_hook,
     launch_child,
 )
+from pier.ipc.processes import exit_cause
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ whatever comes next (tensor-parallel workers).
 
 A `Supervisor` runs one child at a time for one owner, on a thread of its own:
 
-- spawn: every child is forked from that thread (`spawn`), which lives as long as the child may:
+- spawn: every child is forked from that thread (child.py's `spawn`), which lives as long as it may:
   the child's PR_SET_PDEATHSIG (pier.ipc.processes.die_with_parent) follows the thread that
   forked it, not the process, so a child forked from a short-lived thread would be killed when
   that thread ends. The child learns the server's pid from $PIER_PARENT_PID.
@@ -27,208 +27,34 @@ The owner keeps only its transport (socketpair, ZeroMQ) and its protocol, throug
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import select
-import signal
-import socket
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from pier.ipc.processes import PARENT_ENV, exit_cause
+from pier.ipc.child import (
+    Child,
+    ChildExited,
+    Exit,
+    L,
+    Launch,
+    RestartBudget,
+    RestartPolicy,
+    StartTimeout,
+    call_hook,
+    launch_child,
+)
+from pier.ipc.processes import exit_cause
 
 log = logging.getLogger("pier.ipc")
-
-
-class Link(Protocol):
-    """The owner's side of one child's transport (its sockets); closed once the child is gone."""
-
-    def close(self) -> None: ...
-
-
-L = TypeVar("L", bound=Link)
 T = TypeVar("T")
 Readers = Mapping[int, Callable[[], bool]]
 """fd -> a callback that reads everything there is without blocking (some sources, ZeroMQ's,
 signal edges only), and returns False once the source is at its end (it is then forgotten). Each
 is also called once when registered, and once more after the child died."""
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How to run a child: its command, its environment (None: the server's), the socket ends it
-    inherits (passed by descriptor and closed here once it runs), and whether it gets a session
-    of its own (a terminal's Ctrl-C then does not reach it)."""
-
-    argv: Sequence[str]
-    env: Mapping[str, str] | None = None
-    inherit: Sequence[socket.socket] = ()
-    new_session: bool = False
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """At most `limit` restarts within `window_s` seconds (sliding); the first restart in a window
-    at once, each later one after `backoff_s`, doubled each time, at most `max_backoff_s`."""
-
-    limit: int
-    window_s: float
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def delay(self, restarts: int) -> float:
-        """Seconds before a restart that follows `restarts` others within the window."""
-        return 0.0 if restarts <= 0 else min(self.backoff_s * 2.0 ** (restarts - 1), self.max_backoff_s)
-
-
-class RestartBudget:
-    """The restarts a policy allows, charged one death at a time."""
-
-    def __init__(self, policy: RestartPolicy) -> None:
-        self.policy = policy
-        self._times: collections.deque[float] = collections.deque()
-
-    def recent(self, now: float | None = None) -> int:
-        """Restarts within the window that ends now."""
-        now = time.monotonic() if now is None else now
-        while self._times and now - self._times[0] >= self.policy.window_s:
-            self._times.popleft()
-        return len(self._times)
-
-    def charge(self, now: float | None = None) -> float | None:
-        """One death: the seconds to wait before restarting, or None when the window holds
-        `limit` restarts already (the child stays down)."""
-        now = time.monotonic() if now is None else now
-        restarts = self.recent(now)
-        if restarts >= self.policy.limit:
-            return None
-        self._times.append(now)
-        return self.policy.delay(restarts)
-
-
-class ChildExited(Exception):
-    """The child ended before it was ready; `cause` says how (exit_cause)."""
-
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-class StartTimeout(TimeoutError):
-    """The child was not ready within the start timeout (it was killed)."""
-
-
-_PENDING = object()
-
-
-class Child(Generic[L]):
-    """One running process (a restart makes a new one) and the owner's side of its transport."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], link: L, generation: int) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-        self.link = link
-        self.generation = generation  # 1 for the first start, then one more per restart
-        self.pidfd = os.pidfd_open(proc.pid)
-        self._outcome: object = _PENDING
-        self._on_settled: Callable[[], None] = lambda: None
-
-    # ---- the start handshake: the owner's reading of the child's first answer settles it ----
-
-    def ready(self) -> None:
-        """The child is ready to serve."""
-        if self._outcome is _PENDING:
-            self._outcome = None
-            self._on_settled()
-
-    def refuse(self, error: BaseException) -> None:
-        """The child said it cannot serve (`error`: why); it is killed and the start fails."""
-        if self._outcome is _PENDING:
-            self._outcome = error
-            self._on_settled()
-
-    @property
-    def settled(self) -> bool:
-        return self._outcome is not _PENDING
-
-    @property
-    def refusal(self) -> BaseException | None:
-        return self._outcome if isinstance(self._outcome, BaseException) else None
-
-    # ---- its end ------------------------------------------------------------------------------
-
-    def kill(self) -> None:
-        """SIGKILL through the pidfd (never another process that reused the pid)."""
-        if self.proc.returncode is None and self.pidfd >= 0:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except ProcessLookupError:  # exited already
-                pass
-
-    def reap(self) -> int:
-        """Wait for it to end (it has, or was killed) and return its exit status."""
-        return self.proc.wait()
-
-    def release(self) -> None:
-        """Close the pidfd and the owner's transport (idempotent; after reap)."""
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-        self.link.close()
-
-
-def spawn(launch: Launch, link: L, generation: int = 1) -> Child[L]:
-    """Start a child: the only subprocess.Popen of a Pier child process. Raises OSError (the
-    inherited socket ends are closed either way; `link` is the caller's to close then)."""
-    env = dict(os.environ if launch.env is None else launch.env)
-    env[PARENT_ENV] = str(os.getpid())
-    try:
-        proc = subprocess.Popen(list(launch.argv), pass_fds=[s.fileno() for s in launch.inherit],
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=launch.new_session)
-    finally:
-        for s in launch.inherit:
-            s.close()
-    try:
-        return Child(proc, link, generation)
-    except OSError:  # pragma: no cover - no pidfd to be had: do not leave it running
-        proc.kill()
-        proc.wait()
-        raise
-
-
-def call_hook(name: str, hook: Callable[..., T], *args: Any) -> T | None:
-    """An owner's hook, run by supervisor `name`: one that raises is logged, and the supervisor goes on."""
-    try:
-        return hook(*args)
-    except Exception:
-        log.exception("%s: the owner's %s() failed", name, getattr(hook, "__name__", "hook"))
-        return None
-
-
-def launch_child(launch: Callable[[], tuple[Launch, L]], generation: int) -> Child[L]:
-    """Spawn the child an owner's `launch` describes; raises what failed (its transport closed)."""
-    how, link = launch()
-    try:
-        return spawn(how, link, generation)
-    except BaseException:
-        link.close()
-        raise
-
-
-@dataclass(frozen=True)
-class Exit:
-    """A child gone, or a start that failed, and what the supervisor does about it."""
-
-    cause: str | None  # how the child that served ended (exit_cause); None when a start failed
-    error: BaseException | None  # why the start failed (ChildExited, StartTimeout, the owner's refusal)
-    restart_in: float | None  # seconds until the next start; None: not restarted (the budget is spent)
-    restarts: int  # restarts within the window before this one
-    policy: RestartPolicy
 
 
 class ChildOwner(Protocol[L]):

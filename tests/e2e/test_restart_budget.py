@@ -21,7 +21,7 @@ import requests
 from pier.backends.llm import core_client
 from pier.backends.python import process
 from pier.frontends.workers import pool
-from pier.ipc.supervisor import RestartPolicy
+from pier.ipc.child import RestartPolicy
 from tests.conftest import EXAMPLE_REPO, PierProcess, start_pier
 
 pytestmark = pytest.mark.slow

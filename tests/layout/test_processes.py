@@ -1,7 +1,8 @@
-"""pier.ipc.supervisor is the only code that starts, watches and restarts child processes: no
-other module of server/ or backends/ forks, spawns a long-lived process, opens a pidfd or waits
-for a pid (read with `ast`). A short command that is run and waited for (subprocess.run: the
-Python backend's probe of a packed environment's interpreter) is not a child it supervises."""
+"""pier.ipc's supervisors are the only code that starts, watches and restarts child processes:
+no module of server/ or backends/ but pier.ipc.child (whose spawn() they call) forks, spawns a
+long-lived process, opens a pidfd or waits for a pid (read with `ast`). A short command that is
+run and waited for (subprocess.run: the Python backend's probe of a packed environment's
+interpreter) is not a child it supervises."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SUPERVISOR = ROOT / "server" / "ipc" / "supervisor.py"
+SUPERVISOR = ROOT / "server" / "ipc" / "child.py"  # spawn(), which only the supervisors call
 SPAWNING = {("subprocess", "Popen"), ("os", "fork"), ("os", "forkpty"), ("os", "posix_spawn"),
             ("os", "posix_spawnp"), ("os", "spawnv"), ("os", "spawnl"), ("os", "pidfd_open"), ("os", "waitpid"),
             ("os", "wait"), ("asyncio", "create_subprocess_exec"), ("asyncio", "create_subprocess_shell")}

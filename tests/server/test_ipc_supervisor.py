@@ -20,17 +20,8 @@ from typing import Any
 import pytest
 
 from pier.ipc.async_supervisor import AsyncSupervisor
-from pier.ipc.supervisor import (
-    Child,
-    ChildExited,
-    Exit,
-    Launch,
-    Readers,
-    RestartBudget,
-    RestartPolicy,
-    StartTimeout,
-    Supervisor,
-)
+from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartBudget, RestartPolicy, StartTimeout
+from pier.ipc.supervisor import Readers, Supervisor
 
 CHILD = r'''
 import os, socket, sys, time

@@ -23,8 +23,8 @@ from pier.frontends.workers import channel as ch
 from pier.frontends.workers import messages as fm
 from pier.ipc import channel as wire
 from pier.ipc.async_supervisor import AsyncSupervisor
+from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy, StartTimeout
 from pier.ipc.messages import BadMessage
-from pier.ipc.supervisor import Child, ChildExited, Exit, Launch, RestartPolicy, StartTimeout
 from pier.observability import log_settings
 from pier.settings import Settings
 
