@@ -4,9 +4,10 @@ the same engine offline, in one run.
 The workload of bench/llm_bench.py (the ~27 M-parameter random Llama; 64 requests, prompts 16-256
 tokens as token ids, outputs 8-256 tokens, greedy, ignore_eos), all 64 sent at once as OpenAI
 streams (`stream: true`, usage included) by the official SDK. Contenders, interleaved round by round
-(every contender runs each round's workload before the next round starts):
+(every contender runs each round's workload before the next round starts; the first to run rotates):
 
-- offline: Pier's LLMEngine driven step by step in this process (no server) — the ceiling;
+- offline: Pier's LLMEngine driven step by step in this process (no server) — the ceiling (with
+  `--baseline`, in a process of its own, beside the same for the baseline revision's engine);
 - pier (process): `pier serve`, engine_core "process" (the default): the engine in its own process;
 - pier (thread): `pier serve`, engine_core "thread": the engine on a thread of the server process;
 - vLLM: vLLM's OpenAI server (CPU build) on the same folder, when the reference tools are here.
@@ -40,21 +41,9 @@ from bench.common import free_port, loadavg, machine
 from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_unavailable, workload
 from bench.llm_bench import run_pier as run_offline
 from bench.llm_openai_bench import MODEL, VllmServer, _drive, _wait_models
-from bench.revisions import worktree
+from bench.revisions import old_pier_path, worktree
 
 Workload = list[tuple[list[int], int]]
-
-
-def old_pier_path(tree: Path, into: Path) -> Path:
-    """A folder to put first on PYTHONPATH so that `python -m pier` runs the checkout `tree` (another
-    revision): `pier` is a folder of links to its server/ files, with backends/ as `pier.backends`
-    (the layout pyproject.toml installs)."""
-    pkg = into / "pier"
-    pkg.mkdir(parents=True)
-    for entry in (tree / "server").iterdir():
-        (pkg / entry.name).symlink_to(entry)
-    (pkg / "backends").symlink_to(tree / "backends")
-    return into
 
 
 class PierServer:
@@ -134,6 +123,62 @@ def _offline(folder: Path) -> Callable[[Workload], dict[str, Any]]:
                 "ttft_p50_s": float("nan"), "ttft_p99_s": float("nan"), "requests": len(reqs),
                 "cpu_client_s": _client_cpu_s() - client}
     return run
+
+
+_OFFLINE_CHILD = """
+import json, sys, time
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.sampling_params import SamplingParams
+folder, kv = sys.argv[1], int(sys.argv[2])
+eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=kv))
+eng.generate([list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+print("ready", flush=True)
+for line in sys.stdin:
+    reqs = json.loads(line)
+    t0, gen = time.perf_counter(), 0
+    for i, (prompt, out_len) in enumerate(reqs):
+        eng.add_request(f"r{t0}-{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        gen += sum(len(o.token_ids) for o in eng.step())
+    print(json.dumps({"tokens": gen, "wall_s": time.perf_counter() - t0}), flush=True)
+"""
+
+
+class OfflineProcess:
+    """The offline engine of a revision (`pythonpath`: another revision's code; None: this
+    checkout's) in a process of its own, driven with only the engine API every revision has
+    (LLMEngine, EngineConfig, SamplingParams, add_request / step / has_unfinished), so that two
+    revisions' engines run under the same conditions."""
+
+    def __init__(self, folder: Path, tmp: Path, label: str, pythonpath: Path | None = None) -> None:
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env.update(PYTHONPATH=str(pythonpath), TORCH_EXTENSIONS_DIR=str(tmp / f"ext-offline-{label}"))
+        self.proc = subprocess.Popen([sys.executable, "-c", _OFFLINE_CHILD, str(folder), str(1 << 30)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the offline engine ({label}) did not start")
+
+    def __call__(self, reqs: Workload) -> dict[str, Any]:
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        before = _cpu_s(self.proc.pid)
+        self.proc.stdin.write(json.dumps(reqs) + "\n")
+        self.proc.stdin.flush()
+        r = json.loads(self.proc.stdout.readline())
+        return {"tok_s": r["tokens"] / r["wall_s"], "wall_s": r["wall_s"], "tokens": r["tokens"],
+                "ttft_p50_s": float("nan"), "ttft_p99_s": float("nan"), "requests": len(reqs),
+                "cpu_children_s": _cpu_s(self.proc.pid) - before}
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _spread(values: list[float]) -> str:
@@ -224,12 +269,19 @@ def main() -> None:
                 contenders[f"pier ({mode})"] = _served(s.base, n, s.proc.pid)
             if a.baseline:
                 tree = stack.enter_context(worktree(a.baseline))
+                old_path = old_pier_path(tree, Path(tmp) / "old")
                 label = f"pier {a.baseline} (process)"
                 log(f"starting {label}")
-                s = PierServer(folder, "process", Path(tmp), "baseline", old_pier_path(tree, Path(tmp) / "old"))
+                s = PierServer(folder, "process", Path(tmp), "baseline", old_path)
                 servers.append(s)
                 contenders[label] = _served(s.base, n, s.proc.pid)
                 res["baseline"] = a.baseline
+                log("starting the two offline engines, each in a process of its own")
+                del contenders["offline engine"]
+                for key, path in (("offline engine", None), (f"offline engine {a.baseline}", old_path)):
+                    o = OfflineProcess(folder, Path(tmp), key.replace(" ", "-"), path)
+                    servers.append(o)
+                    contenders[key] = o
             why = "skipped (--quick / --no-vllm)" if a.quick or a.no_vllm else vllm_unavailable(
                 a.vllm_dir, "serve.sh", "stop.sh")
             if why is None:
@@ -246,8 +298,10 @@ def main() -> None:
                 run(workload(4, 99))
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
             for r, reqs in enumerate(workloads):
-                for name, run in contenders.items():
-                    out = run(reqs)
+                names = list(contenders)
+                k = r % len(names)  # each contender goes first in turn (interleaved rounds)
+                for name in names[k:] + names[:k]:
+                    out = contenders[name](reqs)
                     runs[name].append(out)
                     log(f"round {r}: {name}: {out['tok_s']:.1f} tok/s")
         finally:
@@ -276,6 +330,8 @@ def main() -> None:
             "pier (process)", f"pier {a.baseline} (process)")
         res["ratios"][f"TTFT p50, pier {a.baseline} / pier (process)"] = per_round(
             "pier (process)", f"pier {a.baseline} (process)", "ttft_p50_s", invert=True)
+        res["ratios"][f"offline engine / offline engine {a.baseline}, throughput"] = per_round(
+            "offline engine", f"offline engine {a.baseline}")
     md = write_report(res, a.name or ("llm_process-quick" if a.quick else "llm_process"))
     print(md.read_text())
 

@@ -1,6 +1,7 @@
 """An older revision of Pier, beside the checkout: a git worktree of it, and its server started
-the way that revision starts (before the package was named `pier`: `python -m server` with the
-worktree on PYTHONPATH). bench/ab.py compares it with the current code."""
+the way that revision starts: before the package was named `pier`, `python -m server` with the
+worktree on PYTHONPATH; since, `python -m pier` with a folder of links that lays the worktree out as
+pyproject.toml installs it (old_pier_path). bench/ab.py compares it with the current code."""
 
 from __future__ import annotations
 
@@ -47,26 +48,50 @@ def worktree(rev: str) -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def old_pier_path(tree: Path, into: Path) -> Path:
+    """A folder to put first on PYTHONPATH so that `python -m pier` runs the checkout `tree` (another
+    revision): `pier` is a folder of links to its server/ files, with backends/ as `pier.backends`
+    (the layout pyproject.toml installs)."""
+    pkg = into / "pier"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for entry in (tree / "server").iterdir():
+        if not (pkg / entry.name).exists():
+            (pkg / entry.name).symlink_to(entry)
+    if not (pkg / "backends").exists():
+        (pkg / "backends").symlink_to(tree / "backends")
+    return into
+
+
+def _is_pier_package(tree: Path) -> bool:
+    """Whether the revision installs server/ as `pier` (its modules import `pier.*`)."""
+    return '"pier" = "server"' in (tree / "pyproject.toml").read_text()
+
+
 def _old_env(tree: Path) -> dict[str, str]:
+    if _is_pier_package(tree):  # the links live beside the worktree; kernels compiled apart from ours
+        return {**os.environ, "PYTHONPATH": str(old_pier_path(tree, tree.parent / "links")),
+                "TORCH_EXTENSIONS_DIR": str(tree.parent / "torch_extensions")}
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 def check_old_imports(tree: Path) -> None:
     """The old command must run the worktree's code, not this checkout's (or the installed pier)."""
-    code = "import backends, server; print(server.__file__); print(backends.__file__)"
+    names = ("pier", "pier.backends") if _is_pier_package(tree) else ("server", "backends")
+    code = f"import {', '.join(names)}; " + "; ".join(f"print({n}.__file__)" for n in names)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=_old_env(tree), capture_output=True,
                           text=True, timeout=120)
     files = proc.stdout.split()
     if proc.returncode != 0 or len(files) != 2 or not all(Path(f).resolve().is_relative_to(tree.resolve())
                                                           for f in files):
-        raise RuntimeError(f"the old revision's `server`/`backends` do not import from {tree}: "
+        raise RuntimeError(f"the old revision's {' / '.join(names)} do not import from {tree}: "
                            f"{(proc.stdout + proc.stderr).strip()[-800:]}")
 
 
 def start_old(name: str, tree: Path, repo: Path, timeout: float = 120) -> Server:
-    """`python -m server serve` from the old worktree (the code before the package was `pier`),
-    with start_pier's flags, on free ports."""
-    return start_pier(name, repo, timeout=timeout, command=[sys.executable, "-m", "server"], cwd=tree,
+    """The old worktree's server (`python -m pier` or, before the package was `pier`, `python -m
+    server`), with start_pier's flags, on free ports."""
+    module = "pier" if _is_pier_package(tree) else "server"
+    return start_pier(name, repo, timeout=timeout, command=[sys.executable, "-m", module], cwd=tree,
                       env=_old_env(tree))
 
 
