@@ -35,7 +35,7 @@ class StubLink:
 
     exec_sock: socket.socket
     aux_sock: socket.socket
-    lock: threading.Lock  # the instance's: guards alive, reason, busy and the instance's requests
+    lock: threading.Lock  # the instance's: guards alive, reason, busy, sends_seen and the instance's requests
     exec_rx: wire.Receiver = field(init=False)
     aux_rx: wire.Receiver = field(init=False)
     alive: bool = True
@@ -46,10 +46,29 @@ class StubLink:
     arena: wire.Arena = field(default_factory=wire.Arena)  # the batches' large tensors
     calls: dict[int, Callable[[str], None]] = field(default_factory=dict)  # metrics queries waiting
     bls: set[Any] = field(default_factory=set)  # BLS calls running for it on the server's loop
+    sends_seen: int = 0  # Send messages handled (m.Result.sends)
+    seen: threading.Condition = field(init=False)  # sends_seen grew, or the stub died
 
     def __post_init__(self) -> None:
         self.exec_rx = wire.Receiver(self.exec_sock, m.FROM_STUB)
         self.aux_rx = wire.Receiver(self.aux_sock, m.FROM_STUB)
+        self.seen = threading.Condition(self.lock)
+
+    def handled_send(self) -> None:
+        """A Send was handled (its response is on its way to the client, or it was unusable)."""
+        with self.lock:
+            self.sends_seen += 1
+            self.seen.notify_all()
+
+    def wait_for_sends(self, sends: int, timeout: float) -> bool:
+        """Wait until `sends` Send messages were handled (or the stub died); False on timeout."""
+        with self.lock:
+            return self.seen.wait_for(lambda: self.sends_seen >= sends or not self.alive, timeout)
+
+    def died(self, reason: str) -> None:
+        """Mark the stub gone (the instance's lock held) and wake a worker waiting on its sends."""
+        self.alive, self.reason = False, reason
+        self.seen.notify_all()
 
     def reply(self, message: m.ToStub, packer: wire.Packer | None = None) -> None:
         try:
@@ -61,7 +80,7 @@ class StubLink:
         """The stub is gone: wake a worker thread still waiting for its answer; close the
         channels (exec_sock stays to a worker using it, which closes it)."""
         with self.lock:
-            self.alive = False
+            self.died(self.reason)
             busy = self.busy
         try:
             self.exec_sock.shutdown(socket.SHUT_RDWR)
@@ -124,6 +143,8 @@ class AuxHandler:
         log.error("python model '%s' instance '%s': %s", self._model, self._name, exc)
         error = internal(f"python model '{self._model}': {exc}")
         ref = exc.ref if isinstance(exc.ref, int) else None
+        if exc.kind == "Send":
+            link.handled_send()
         if exc.kind == "Send" and ref is not None:
             with self._lock:
                 entry = self._entries.get(ref)
@@ -143,15 +164,10 @@ class AuxHandler:
 
     def _handle(self, link: StubLink, msg: m.FromStub, mapping: wire.Source) -> None:
         if isinstance(msg, m.Send):
-            entry = self._entries.get(msg.rid)
-            if entry is None or entry.request.response_sink is None:
-                return
-            if msg.final:
-                with self._lock:
-                    entry.final = True
-                    if not entry.executing:
-                        self._entries.pop(msg.rid, None)
-            entry.request.response_sink(wire.result_in(msg.result, mapping), msg.final)
+            try:
+                self._send(msg, mapping)
+            finally:
+                link.handled_send()
         elif isinstance(msg, m.IsCancelled):
             entry = self._entries.get(msg.rid)
             link.reply(m.Cancelled(msg.qid, bool(entry is not None and entry.request.cancelled)))
@@ -168,6 +184,17 @@ class AuxHandler:
                 waiter(msg.text)
         else:  # exec's answers do not belong on aux
             log.error("python model '%s': a %s message on the aux channel", self._model, type(msg).__name__)
+
+    def _send(self, msg: m.Send, mapping: wire.Source) -> None:
+        entry = self._entries.get(msg.rid)
+        if entry is None or entry.request.response_sink is None:
+            return
+        if msg.final:
+            with self._lock:
+                entry.final = True
+                if not entry.executing:
+                    self._entries.pop(msg.rid, None)
+        entry.request.response_sink(wire.result_in(msg.result, mapping), msg.final)
 
     def _bls(self, link: StubLink, msg: m.Bls, mapping: wire.Source) -> None:
         services = self._ctx.services

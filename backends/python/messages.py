@@ -61,9 +61,15 @@ class InitError(Message):
 
 
 class Result(Message):
+    """An execute's results. `sends`: how many Send messages the stub had written on aux when it
+    answered; the server hands the results on only once it has handled that many, so a response a
+    model sent before its execute ended (raised, failed, released the request) reaches the client
+    before the execute's outcome does, though the two cross on different channels."""
+
     seq: int
     results: list[WireResult | None]  # one per request of the batch
     has_metrics: bool
+    sends: int
 
 
 class Finalized(Message):

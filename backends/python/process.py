@@ -50,6 +50,7 @@ from .aux import AuxHandler, Entry, StubLink, end_stream
 log = logging.getLogger("pier.backends.python")
 
 FINALIZE_TIMEOUT_S = 30.0
+SENDS_TIMEOUT_S = 10.0  # an execute's results wait at most this long for the responses sent before them
 METRICS_TIMEOUT_S = 0.25  # a scrape waits this long for a busy stub's custom metrics, then shows the last ones
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 
@@ -143,6 +144,10 @@ class ProcessInstance(ModelInstance):
                 return [internal(f"python model '{self._model}' returned an unusable result: a "
                                  f"{type(msg).__name__} message")] * n
             link.has_metrics = msg.has_metrics
+            if link.sends_seen < msg.sends and not link.wait_for_sends(msg.sends, SENDS_TIMEOUT_S):
+                log.error("python model '%s' instance '%s': the responses its model sent before execute() "
+                          "returned were not handled within %g s; its results go on without them",
+                          self._model, self._name, SENDS_TIMEOUT_S)
             if len(msg.results) != n:
                 self._settle(link, rids, failed=True)
                 return [internal(f"python model '{self._model}' returned an unusable result: {len(msg.results)} "
@@ -152,7 +157,7 @@ class ProcessInstance(ModelInstance):
                                                 for w in msg.results]
             except Exception as exc:
                 results = [internal(f"python model '{self._model}' returned an unusable result: {exc}")] * n
-            self._settle(link, rids, failed=False)
+            self._settle(link, rids, failed=False, results=results)
             return results
         finally:
             with self._lock:
@@ -160,16 +165,19 @@ class ProcessInstance(ModelInstance):
                 if not link.alive:
                     link.exec_sock.close()
 
-    def _settle(self, link: StubLink, rids: list[int], failed: bool) -> None:
+    def _settle(self, link: StubLink, rids: list[int], failed: bool,
+                results: Sequence[ExecuteResult] = ()) -> None:
         """An execute ended: forget its requests, except decoupled ones still sending (whose child
-        died meanwhile: they end here, as `lost` only ends those not executing)."""
+        died meanwhile: they end here, as `lost` only ends those not executing). A request the
+        execute failed is over (its error ends its stream), whatever its model sends later."""
         orphans = []
         with self._lock:
-            for rid in rids:
+            for i, rid in enumerate(rids):
                 entry = self._entries.get(rid)
                 if entry is None:
                     continue
-                if failed or entry.final or entry.request.response_sink is None:
+                ended = i < len(results) and isinstance(results[i], PierError)
+                if failed or ended or entry.final or entry.request.response_sink is None:
                     del self._entries[rid]
                 elif not link.alive:
                     del self._entries[rid]
@@ -266,7 +274,7 @@ class ProcessInstance(ModelInstance):
             link = child.link
             reason = f"{prefix} died: {end.cause}"
             with self._lock:
-                link.alive, link.reason = False, reason
+                link.died(reason)
                 self._link = None
                 self._metrics_text = ""  # the model's custom metrics went with the process
                 ended = [rid for rid, e in self._entries.items() if e.link is link and not e.executing]
@@ -301,7 +309,7 @@ class ProcessInstance(ModelInstance):
         reason = f"model '{self._model}' was unloaded"
         with self._lock:
             if child is not None:
-                child.link.alive, child.link.reason = False, reason
+                child.link.died(reason)
             self._link = None
             self._down = reason
             streams = [e.request for e in self._entries.values()]

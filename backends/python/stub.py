@@ -197,6 +197,8 @@ class Stub:
         self._calls: dict[int, Callable[[m.Answer, wire.Source], None]] = {}
         self.instance: PythonInstance | None = None
         self._arena = wire.Arena()  # the results' large tensors
+        self._sends_lock = threading.Lock()
+        self._sends = 0  # Send messages written on aux (m.Result.sends)
 
     # ---- calls to the server ---------------------------------------------------------------
 
@@ -280,7 +282,9 @@ class Stub:
             except Exception as exc:
                 packer = wire.Packer()
                 w = wire.error_out(internal(f"python model '{name}' sent an unusable tensor: {exc}"))
-            wire.send(self.aux, m.Send(rid, w, final), packer)
+            with self._sends_lock:  # counted in the order written: m.Result.sends
+                wire.send(self.aux, m.Send(rid, w, final), packer)
+                self._sends += 1
         return sink
 
     def _results(self, results: list[ExecuteResult], name: str) -> tuple[list[wire.WireResult | None], wire.Packer]:
@@ -331,7 +335,7 @@ class Stub:
                 got = self._exec_rx.recv()
             except BadMessage as exc:  # this batch fails: no result for any of its requests (the server says so)
                 logging.getLogger("pier.backends.python").error("stub: %s", exc)
-                wire.send(self.exec, m.Result(0, [], bool(pb_utils._families)))
+                wire.send(self.exec, m.Result(0, [], bool(pb_utils._families), self._sends))
                 continue
             if got is None:  # the server is gone
                 os._exit(0)
@@ -355,7 +359,9 @@ class Stub:
             except BaseException as exc:  # PythonInstance catches the model's own exceptions
                 results = [internal(f"python model '{name}' failed: {type(exc).__name__}: {exc}")] * len(requests)
             out, packer = self._results(results, name)
-            wire.send(self.exec, m.Result(msg.seq, out, bool(pb_utils._families)), packer, arena=self._arena)
+            with self._sends_lock:  # every response the model sent before this point goes first
+                sends = self._sends
+            wire.send(self.exec, m.Result(msg.seq, out, bool(pb_utils._families), sends), packer, arena=self._arena)
 
     def _end(self, message: m.FromStub) -> NoReturn:
         """Answer the server and exit now (no waiting for threads the model left running)."""

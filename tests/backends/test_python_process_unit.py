@@ -45,6 +45,9 @@ class TritonPythonModel:
                 text = resp.error().message() if resp.has_error() else "no error"
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([text.encode()], object))]))
                 continue
+            if self.decoupled and '"send_raise"' in mode:
+                r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+                raise pb_utils.TritonModelException("failed after sending")
             if self.decoupled:
                 sender = r.get_response_sender()
                 def send(sender=sender, x=x):
@@ -169,6 +172,24 @@ def test_decoupled_responses_come_through_the_sink(tmp_path: Path) -> None:
         assert instance.execute([request]) == [Outputs([])]
         assert done.wait(10)
         assert [float(r.tensors[0].data[0]) for r, _ in got[:3]] == [1.5] * 3 and got[3] == (None, True)
+    finally:
+        instance.close()
+
+
+def test_a_response_sent_before_execute_fails_is_handed_on_before_the_failure(tmp_path: Path) -> None:
+    """The response crosses on aux, the execute's error on exec: the error waits for the response,
+    and the failed request is forgotten (the model never sends it a final flag)."""
+    instance = ProcessInstance(_context(tmp_path, "m_stream", decoupled=True), InstanceContext("m_0", "KIND_CPU"),
+                               default_launch())
+    try:
+        for _ in range(20):
+            got: list = []
+            request = _request(np.array([2.5], np.float32), mode="send_raise")
+            request.response_sink = lambda result, final, got=got: got.append((result, final))
+            (failed,) = instance.execute([request])
+            assert isinstance(failed, PierError) and "failed after sending" in failed.message
+            assert len(got) == 1 and float(got[0][0].tensors[0].data[0]) == 2.5 and not got[0][1]
+        assert instance._entries == {}
     finally:
         instance.close()
 

@@ -66,6 +66,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (repo / "reschedule_dynamic" / "config.pbtxt").write_text(
         config.replace('"iterative_countdown"', '"reschedule_dynamic"')
         .replace("sequence_batching { iterative_sequence: true }", "dynamic_batching { }"))
+    # the same decoupled model in the server's own process (its sends and its result take no channel)
+    shutil.copytree(repo / "send_then_fail", repo / "send_then_fail_inproc")
+    config = (repo / "send_then_fail_inproc" / "config.pbtxt").read_text()
+    (repo / "send_then_fail_inproc" / "config.pbtxt").write_text(
+        config.replace('"send_then_fail"', '"send_then_fail_inproc"')
+        + 'parameters { key: "execution_mode" value: { string_value: "in_process" } }\n')
     proc = start_pier([repo], log_path=repo.parent / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -517,6 +523,51 @@ def test_rescheduling_without_iterative_sequences_fails_the_request(server: Pier
     assert "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE" in got["x"][1]
     assert "iterative_sequence" in got["x"][1]
     assert countdown_stream(server, "reschedule_dynamic", {"y": 1}) == {"y": [0]}
+
+
+ROUNDS = 50
+FAILURES = {0: "failed after sending", 1: "failed after sending",
+            2: "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE"}
+
+
+@pytest.mark.frontends  # streams are relayed
+@pytest.mark.parametrize("model", ["send_then_fail", "send_then_fail_inproc"])
+@pytest.mark.parametrize("mode", sorted(FAILURES), ids=["raises", "error_response", "reschedule_refused"])
+def test_a_response_sent_before_a_failure_arrives_first_over_grpc_streams(server: PierProcess, model: str,
+                                                                         mode: int) -> None:
+    """A decoupled model that sends a response and then fails the request (raises, sends an error
+    response, releases it with a RESCHEDULE it cannot have): the response arrives, then the error,
+    round after round (the stub's sends and its execute's result cross on two channels: the result
+    must not overtake them)."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+    try:
+        for i in range(ROUNDS):
+            g = grpcclient.InferInput("MODE", [1], "INT32")
+            g.set_data_from_numpy(np.array([mode], dtype=np.int32))
+            client.async_stream_infer(model, [g], request_id=str(i))
+            result, error = answers.get(timeout=30)
+            assert error is None, f"round {i}: the error came first, the response sent before it was lost: {error}"
+            assert result.get_response().id == str(i) and result.as_numpy("OUT").tolist() == [7]
+            result, error = answers.get(timeout=30)
+            assert result is None and FAILURES[mode] in str(error), (i, result, error)
+    finally:
+        client.stop_stream()
+
+
+@pytest.mark.frontends  # generate_stream is relayed
+@pytest.mark.parametrize("model", ["send_then_fail", "send_then_fail_inproc"])
+@pytest.mark.parametrize("mode", sorted(FAILURES), ids=["raises", "error_response", "reschedule_refused"])
+def test_a_response_sent_before_a_failure_arrives_first_over_generate_stream(server: PierProcess, model: str,
+                                                                            mode: int) -> None:
+    """The same race over HTTP generate_stream: 200, the response's event, then the error's."""
+    with requests.Session() as http:
+        for i in range(ROUNDS):
+            r = http.post(f"{server.base()}/v2/models/{model}/generate_stream", json={"MODE": mode}, timeout=30)
+            events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+            assert r.status_code == 200 and len(events) == 2 and events[0].get("OUT") == 7, (i, r.status_code, events)
+            assert FAILURES[mode] in events[1]["error"], (i, events)
 
 
 @pytest.mark.frontends  # response parameters cross back
