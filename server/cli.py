@@ -49,9 +49,14 @@ def _enum(flag: str, values: tuple[str, ...], case_sensitive: bool = False) -> C
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     # As tritonserver's getopt: a unique prefix of a long option is that option (--log-warn), an
     # ambiguous one is refused naming the candidates.
-    p = sub.add_parser("serve", help="serve model repositories over HTTP and gRPC", allow_abbrev=True)
+    p = sub.add_parser("serve", help="serve a model, or model repositories, over HTTP and gRPC", allow_abbrev=True)
     flag = p.add_argument
-    flag("--model-repository", "--model-store", action="append", required=True, metavar="PATH",
+    flag("path", nargs="?", default=None, metavar="PATH",
+         help="one model to serve: a Hugging Face folder (config.json + safetensors: the LLM backend), an .onnx "
+              "file, a model folder or a model repository (docs/models.md)")
+    flag("--served-model-name", default="", metavar="NAME",
+         help="the name PATH's model is served under (default: its folder's or file's name)")
+    flag("--model-repository", "--model-store", action="append", default=[], metavar="PATH",
          help="model repository folder (repeatable)")
     flag("--http-port", type=int, default=8000)
     flag("--grpc-port", type=int, default=8001)
@@ -228,8 +233,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _served_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path | None, tuple[Path, ...]]:
+    """PATH (`pier serve PATH`) as the model it names, or as one more repository when it is one."""
+    if args.path is None:
+        if args.served_model_name:
+            parser.error("--served-model-name names the model of PATH: give PATH (pier serve PATH)")
+        if not args.model_repository:
+            parser.error("nothing to serve: give PATH (a model) or --model-repository")
+        return None, ()
+    from pier.repository import single_model
+
+    try:
+        served = single_model.classify(Path(args.path), args.served_model_name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if served.kind == single_model.REPOSITORY:
+        return None, (served.path,)
+    return served.path, ()
+
+
 def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
-    repos = tuple(Path(r) for r in args.model_repository)
+    serve_path, more_repos = _served_path(args, parser)
+    repos = tuple(Path(r) for r in args.model_repository) + more_repos
     for r in repos:
         if not r.is_dir():
             parser.error(f"--model-repository {r}: no such folder")
@@ -278,6 +303,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
                      and (name != "backend-config" or backend_config_ignored)]
     return Settings(
         model_repositories=repos,
+        serve_path=serve_path,
+        served_model_name=args.served_model_name,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,

@@ -11,6 +11,8 @@ SERVER_NAME = "triton"  # --id's default, Triton's: its own client examples chec
 @dataclass(frozen=True)
 class Settings:
     model_repositories: tuple[Path, ...]
+    serve_path: Path | None = None  # `pier serve PATH`: one model (server/repository/single_model.py)
+    served_model_name: str = ""  # --served-model-name: PATH's model's name (default: its folder's or file's)
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002

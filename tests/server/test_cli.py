@@ -56,3 +56,25 @@ def test_a_bad_control_mode_and_a_log_format_in_another_case_are_refused(capsys:
     assert "invalid argument for --model-control-mode: 'bogus'" in _refused(capsys, "--model-control-mode=bogus")
     assert "invalid argument for --log-format: 'iso8601'" in _refused(capsys, "--log-format=iso8601")
     assert _settings("--log-format=ISO8601").log_format == "ISO8601"
+
+
+def _parse(*argv: str) -> Settings:
+    parser = build_parser()
+    return settings_from_args(parser.parse_args(["serve", *argv]), parser)
+
+
+def test_serve_path_takes_one_model_or_a_repository(tmp_path: Path) -> None:
+    (tmp_path / "m.onnx").write_bytes(b"")
+    s = _parse(str(tmp_path / "m.onnx"), "--served-model-name=net")
+    assert (s.serve_path, s.served_model_name, s.model_repositories) == ((tmp_path / "m.onnx").resolve(), "net", ())
+    s = _parse(str(REPO))  # a repository as PATH: one more repository, as --model-repository
+    assert s.serve_path is None and s.model_repositories == (REPO.resolve(),)
+
+
+def test_serve_needs_something_to_serve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for argv, message in ((["--http-port=1"], "nothing to serve: give PATH (a model) or --model-repository"),
+                          ([f"--model-repository={REPO}", "--served-model-name=x"], "give PATH"),
+                          ([str(tmp_path / "x.gguf")], "no such file or folder")):
+        with pytest.raises(SystemExit) as exc:
+            _parse(*argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
