@@ -269,31 +269,35 @@ class ProcessInstance(ModelInstance):
         prefix = f"Stub process for model '{self._model}' instance '{self._name}'"
         if child is None:
             assert end.error is not None
-            reason = f"{prefix} could not be restarted: {self._start_error(end.error).message}"
+            cause = f"{prefix} could not be restarted: {self._start_error(end.error).message}"
         else:
-            link = child.link
-            reason = f"{prefix} died: {end.cause}"
-            with self._lock:
-                link.died(reason)
+            cause = f"{prefix} died: {end.cause}"  # what its requests in flight fail with
+        if end.restart_in is None:
+            reason = down = (f"{cause}; not restarted: {end.restarts} restarts in the last {end.policy.window_s:g} "
+                             "s (load the model again to restart it)")
+        else:
+            reason = cause
+            down = f"{cause}; restarting" + (f" in {end.restart_in:g} s" if end.restart_in else "")
+        log.error("%s", down)
+        # Reported before any request hears of the death: the server learns that the instance lost
+        # its state (its sequences are over) before a client can send the next request of one.
+        self._ctx.report_health(self._name, reason)
+        streams = []
+        with self._lock:
+            self._down = down
+            if child is not None:
+                link = child.link
+                link.died(cause)
                 self._link = None
                 self._metrics_text = ""  # the model's custom metrics went with the process
                 ended = [rid for rid, e in self._entries.items() if e.link is link and not e.executing]
                 streams = [self._entries.pop(rid).request for rid in ended]
-            link.dead.set()
-            for fut in list(link.bls):
+        if child is not None:
+            child.link.dead.set()
+            for fut in list(child.link.bls):
                 fut.cancel()
             for r in streams:
-                end_stream(r, internal(reason))
-        if end.restart_in is None:
-            reason += (f"; not restarted: {end.restarts} restarts in the last {end.policy.window_s:g} s "
-                       "(load the model again to restart it)")
-            down = reason
-        else:
-            down = f"{reason}; restarting" + (f" in {end.restart_in:g} s" if end.restart_in else "")
-        with self._lock:
-            self._down = down
-        log.error("%s", down)
-        self._ctx.report_health(self._name, reason)
+                end_stream(r, internal(cause))
 
     def ask_to_stop(self, child: Child[StubLink]) -> None:
         """The model unloads: finalize() in the child, which then exits."""

@@ -60,10 +60,13 @@ class StateSpec:
 
 @dataclass(frozen=True, slots=True)
 class SequencePolicy:
-    """The sequence batcher's settings: idle timeout, control inputs, implicit states."""
+    """The sequence batcher's settings: idle timeout, control inputs, implicit states, and how
+    many sequences each instance holds at once (`slots`, Triton's sequence slots per instance: the
+    max batch size, at least 1, or `oldest.max_candidate_sequences` when set)."""
 
     idle_ns: int
     batched: bool
+    slots: int = 1
     controls: tuple[Control, ...] = ()
     states: tuple[StateSpec, ...] = ()
     returned_states: frozenset[str] = frozenset()  # state outputs the config lists as outputs

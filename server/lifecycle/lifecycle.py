@@ -21,7 +21,7 @@ from typing import Any
 from pier.contract.backend import ServerServices
 from pier.contract.errors import PierError, invalid_arg, not_found
 from pier.contract.types import ModelSpec
-from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances
+from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances, instance_contexts
 from pier.lifecycle.routing import Route, RoutingTable
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
@@ -228,7 +228,8 @@ class ModelLifecycle:
                 for inst in instances:
                     inst.close()
                 return exc.message
-        model = build_loaded_model(disk.spec, disk.config, version, instances, self._keep_recent)
+        names = [where.name for where in instance_contexts(disk.spec, self._gpus)]
+        model = build_loaded_model(disk.spec, disk.config, version, instances, self._keep_recent, names)
         health.model = model
         record_warmup(model.stats, warmups)
         model.load_duration_s = time.perf_counter() - start
@@ -405,6 +406,8 @@ class _HealthBoard:
     def _apply(self, instance: str, reason: str | None) -> None:
         if reason:
             self._sick[instance] = reason
+            if self.model is not None:
+                self.model.instance_lost(instance)
         else:
             self._sick.pop(instance, None)
         if self.model is not None:

@@ -108,9 +108,13 @@ def sequence_policy(config: mc.ModelConfig, model_dir: Path | None) -> SequenceP
                                    config.name, "")
         states.append(StateSpec(st.input_name, st.output_name, datatype, initial))
     outputs = {t.name for t in config.output}
+    slots = max(1, config.max_batch_size)
+    if sb.WhichOneof("strategy_choice") == "oldest" and sb.oldest.max_candidate_sequences > 0:
+        slots = sb.oldest.max_candidate_sequences
     return SequencePolicy(
         idle_ns=sb.max_sequence_idle_microseconds * 1000,
         batched=config.max_batch_size > 0,
+        slots=slots,
         controls=tuple(controls),
         states=tuple(states),
         returned_states=frozenset(s.output_name for s in states if s.output_name in outputs),

@@ -44,6 +44,10 @@ class Scheduler(abc.ABC):
     async def stop(self) -> None:
         """Wait for in-flight work to finish, then release the instances."""
 
+    def instance_lost(self, index: int) -> None:  # noqa: B027 - only schedulers keeping something per instance act
+        """Instance `index` (of those this scheduler runs, in order) lost what it held: its process
+        died (it is restarting). Nothing to do for schedulers that keep nothing per instance."""
+
 
 def execute_timed(
     instance: ModelInstance, requests: Sequence[InferenceRequest]

@@ -66,6 +66,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (repo / "reschedule_dynamic" / "config.pbtxt").write_text(
         config.replace('"iterative_countdown"', '"reschedule_dynamic"')
         .replace("sequence_batching { iterative_sequence: true }", "dynamic_batching { }"))
+    # the iterative model with two instances: a rescheduled request must come back to its own
+    shutil.copytree(repo / "iterative_countdown", repo / "iterative_countdown_2")
+    config = (repo / "iterative_countdown_2" / "config.pbtxt").read_text()
+    (repo / "iterative_countdown_2" / "config.pbtxt").write_text(
+        config.replace('"iterative_countdown"', '"iterative_countdown_2"').replace("count: 1", "count: 2"))
     # the same decoupled model in the server's own process (its sends and its result take no channel)
     shutil.copytree(repo / "send_then_fail", repo / "send_then_fail_inproc")
     config = (repo / "send_then_fail_inproc" / "config.pbtxt").read_text()
@@ -499,6 +504,14 @@ def test_request_rescheduling_of_an_iterative_decoupled_model(server: PierProces
                       timeout=30)
     events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
     assert r.status_code == 200 and [e["OUTPUT"] for e in events] == [1, 0], r.text
+
+
+def test_a_rescheduled_request_runs_again_on_its_own_instance(server: PierProcess) -> None:
+    """With two instances, each keeping its sequences' countdowns itself: every execution of an
+    iterative sequence reaches the instance that began it (as Triton routes a sequence), 8 at once."""
+    starts = {f"r{i}": 2 + i % 3 for i in range(8)}
+    got = countdown_stream(server, "iterative_countdown_2", starts)
+    assert got == {rid: list(range(n - 1, -1, -1)) for rid, n in starts.items()}, got
 
 
 @pytest.mark.parametrize("mod", [httpclient, grpcclient], ids=["http", "grpc"])

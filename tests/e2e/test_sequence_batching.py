@@ -5,7 +5,9 @@ reference Triton 2.51: same messages, same cases)."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,54 @@ pytestmark = pytest.mark.frontends  # sequence ids and flags cross the channel
 CONFIG = ACCUMULATE_CONFIG.replace("idle_microseconds: 60000000", "idle_microseconds: 700000").replace(
     "max_queue_delay_microseconds: 1000", "max_queue_delay_microseconds: 3000 minimum_slot_utilization: 0.5")
 assert "700000" in CONFIG and "0.5 }" in CONFIG
+
+
+# A stateful python model as Triton's dyna_sequence backend is: each instance keeps its sequences'
+# sums itself, in a dict keyed by CORRID, so a request reaching another instance than its sequence's
+# gets a wrong sum. Two instances; INSTANCE says which one answered.
+INSTANCE_SUM = """name: "{name}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+         {{ name: "INSTANCE" data_type: TYPE_STRING dims: [ 1 ] }} ]
+instance_group [ {{ count: 2 kind: KIND_CPU }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
+  ]
+  {strategy}
+}}
+"""
+INSTANCE_SUM_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_instance_name"].encode()
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value, start, end, corrid = (pb_utils.get_input_tensor_by_name(request, n).as_numpy()
+                                         for n in ("INPUT", "START", "END", "CORRID"))
+            out = np.zeros_like(value)
+            for row in range(value.shape[0]):
+                key = int(corrid[row, 0])
+                out[row, 0] = self.sums[key] = (0 if start[row, 0] else self.sums.get(key, 0)) + int(value[row, 0])
+                if end[row, 0]:
+                    del self.sums[key]
+            names = np.array([[self.name]] * value.shape[0], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out),
+                                                         pb_utils.Tensor("INSTANCE", names)]))
+        return responses
+"""
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +104,13 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         if name == "four_slots":
             config = config.replace("max_batch_size: 8", "max_batch_size: 4")
         write_model(repo, name, config, accumulate_model())
+    for name, strategy in (("instance_sum_direct", "direct { max_queue_delay_microseconds: 1000 }"),
+                           ("instance_sum_oldest",
+                            "oldest { max_candidate_sequences: 16 max_queue_delay_microseconds: 1000 }"),
+                           ("instance_sum_killed", "direct { }")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(INSTANCE_SUM.format(name=name, strategy=strategy))
+        (repo / name / "1" / "model.py").write_text(INSTANCE_SUM_PY)
     proc = start_pier([repo], "--exit-on-error=false", "--strict-readiness=false", log_path=repo.parent / "pier.log")
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -305,3 +362,72 @@ def test_sequence_requests_waiting_their_turn_are_pending_and_wait_the_delay_afr
     after = requests.get(f"{base}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
     assert after["execution_count"] - before["execution_count"] == 2
     assert elapsed >= 0.95  # the second batch waited its own 0.5 s
+
+
+def sum_step(client, seq: int, value: int, **flags) -> tuple[int, str]:
+    """One request of a sequence to instance_sum_* (client: HTTP or gRPC): its sum and its instance."""
+    model = flags.pop("model")
+    mod = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+    i = mod.InferInput("INPUT", [1, 1], "INT32")
+    i.set_data_from_numpy(np.array([[value]], np.int32))
+    r = client.infer(model, [i], sequence_id=seq, **flags)
+    return int(r.as_numpy("OUTPUT")[0, 0]), r.as_numpy("INSTANCE")[0, 0].decode()
+
+
+@pytest.mark.parametrize("model", ["instance_sum_direct", "instance_sum_oldest"])
+def test_a_model_keeping_state_per_instance_sees_all_of_a_sequence(server, model: str) -> None:
+    """Triton's promise: every request of a sequence goes to the same instance. 24 sequences at once
+    (more than the 16 slots of the direct strategy: the rest wait for one), half over gRPC, half over
+    HTTP, 6 requests each; a model with two instances keeps each sum in the instance: every sum is
+    right, each sequence was answered by one instance, and both instances served."""
+    def run(seq: int) -> tuple[list[int], set[str]]:
+        client = (grpcclient.InferenceServerClient(server.grpc_url) if seq % 2
+                  else httpclient.InferenceServerClient(server.http_url))
+        sums, where = [], set()
+        for k in range(6):
+            total, instance = sum_step(client, seq, seq + k, model=model, sequence_start=k == 0, sequence_end=k == 5)
+            sums.append(total)
+            where.add(instance)
+        return sums, where
+
+    with ThreadPoolExecutor(24) as pool:
+        results = dict(zip(range(1, 25), pool.map(run, range(1, 25))))
+    for seq, (sums, where) in results.items():
+        assert sums == list(np.cumsum([seq + k for k in range(6)])), (seq, sums, where)
+        assert len(where) == 1, (seq, where)
+    assert {w for _, (_, where) in results.items() for w in where} == {f"{model}_0_0", f"{model}_0_1"}
+
+
+def test_the_sequences_of_a_stub_that_died_are_over(server) -> None:
+    """kill -9 of one instance's stub: its sequences' next requests without START get Triton's error
+    (their state died with it), the other instance's sequences go on with the right sums, and new
+    sequences run once it has restarted."""
+    from tests.e2e.test_python_process import stubs
+
+    model = "instance_sum_killed"
+    h = httpclient.InferenceServerClient(server.http_url)
+    placed = {seq: sum_step(h, seq, 1, model=model, sequence_start=True)[1] for seq in range(1, 5)}
+    assert set(placed.values()) == {f"{model}_0_0", f"{model}_0_1"}, placed  # the lowest slot of each first
+    victim = placed[1]
+    restarted = server.log().count(f"Stub process for model '{model}' instance '{victim}' restarted")
+    os.kill(stubs(server.proc.pid)[victim], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.log().count(f"Stub process for model '{model}' instance '{victim}' restarted") == restarted:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    for seq, instance in placed.items():
+        if instance == victim:
+            r = infer_sum(server, model, {"sequence_id": seq})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == (f"inference request for sequence {seq} to model '{model}' must specify "
+                                         "the START flag on the first request of the sequence")
+        else:
+            assert sum_step(h, seq, 2, model=model, sequence_end=True) == (3, instance)
+    for seq in (5, 6, 7):
+        assert sum_step(h, seq, 4, model=model, sequence_start=True)[0] == 4
+        assert sum_step(h, seq, 5, model=model, sequence_end=True)[0] == 9
+
+
+def infer_sum(server, model: str, params: dict) -> requests.Response:
+    body = {"inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}], "parameters": params}
+    return requests.post(f"{server.base()}/v2/models/{model}/infer", json=body, timeout=30)

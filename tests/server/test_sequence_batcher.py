@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import ExecuteResult, InferenceRequest, Outputs
 from pier.lifecycle.loaded_model import LoadedModel
@@ -75,7 +77,7 @@ def _step(model: LoadedModel, corrid: int | str, value: float, start: bool = Fal
 
 def _value(result: ExecuteResult) -> float:
     assert isinstance(result, Outputs), result
-    return float(result.tensors[0].data[0])
+    return float(result.tensors[0].data.flat[0])
 
 
 def test_controls_and_state_reach_the_model_as_its_config_declares_them() -> None:
@@ -93,7 +95,8 @@ def test_controls_and_state_reach_the_model_as_its_config_declares_them() -> Non
         result = await _step(model, user[0], 10, start=True)
         assert [t.name for t in result.tensors] == ["OUTPUT"]  # the state is the server's, not the client's
         assert _value(await _step(model, user[1], 1)) == 11
-        assert _value(await _step(model, user[2], 5, start=True)) == 5  # START again: the state starts afresh
+        # START again: the state starts afresh; END frees the one instance's one slot for "user-8"
+        assert _value(await _step(model, user[2], 5, start=True, end=True)) == 5
         await _step(model, user[3], 1, start=True)
         hashed = [s["CORRID"][0][0] for s in acc.seen[3:]]  # a string ID for a numeric CORRID: a stable hash
         assert hashed[:3] == [STABLE_USER_7] * 3 and hashed[3] not in (0, STABLE_USER_7)
@@ -213,5 +216,149 @@ def test_an_iterative_sequence_runs_again_until_answered_and_stops_when_its_clie
         two = InferenceRequest("it", "", [tensor("TIMES", [[1], [1]], "INT32")])
         refused = await batched.scheduler.enqueue(WorkItem(two, 2))  # as Triton: one request, one sequence
         assert isinstance(refused, PierError) and "must specify batch-size 1" in refused.message
+
+    asyncio.run(main())
+
+
+KEEPER = """name: "keep" backend: "onnxruntime" max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 60000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+  STRATEGY
+}
+"""
+STRATEGIES = {"direct": "direct { }",
+              "oldest": "oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 500 }"}
+
+
+class Keeper:
+    """A model keeping each sequence's sum in its instance (a dict keyed by CORRID, as stateful python
+    models do): OUTPUT = the sum so far. A request reaching another instance than its sequence's
+    starts from 0 there: a wrong sum."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, float] = {}
+        self.corrids: set[int] = set()
+
+    def __call__(self, request: InferenceRequest) -> ExecuteResult:
+        t = {x.name: x.data for x in request.inputs}
+        corrid = int(t["CORRID"].flat[0])
+        self.corrids.add(corrid)
+        total = (0.0 if t["START"].flat[0] else self.sums.get(corrid, 0.0)) + float(t["INPUT"].flat[0])
+        self.sums[corrid] = total
+        return outputs(tensor("OUTPUT", np.full(t["INPUT"].shape, total)))
+
+
+def _keeper_step(model: LoadedModel, corrid: int, value: float, start: bool = False,
+                 end: bool = False) -> asyncio.Future[ExecuteResult]:
+    params: dict[str, object] = {"sequence_id": corrid, "sequence_start": start, "sequence_end": end}
+    batched = model.spec.max_batch_size > 0
+    request = InferenceRequest("keep", "", [tensor("INPUT", [[value]] if batched else [value])], parameters=params)
+    return asyncio.ensure_future(model.scheduler.enqueue(WorkItem(request, 1)))
+
+
+def test_every_request_of_a_sequence_runs_on_the_instance_that_holds_its_slot() -> None:
+    """Triton's promise, for both strategies: 8 sequences at once over 2 instances of 4 slots each,
+    their requests interleaved; each sequence's requests all reach one instance (so the sums a
+    model keeps per instance are right), and the sequences spread over both."""
+    async def run(strategy: str) -> None:
+        keepers = [Keeper(), Keeper()]
+        model = load(KEEPER.replace("STRATEGY", STRATEGIES[strategy]), *(Toy(k) for k in keepers))
+        sequences = range(101, 109)
+        for step in range(6):
+            results = await asyncio.gather(*(_keeper_step(model, s, s + step, start=step == 0, end=step == 5)
+                                             for s in sequences))
+            assert [_value(r) for r in results] == [sum(s + k for k in range(step + 1)) for s in sequences], step
+        assert keepers[0].corrids.isdisjoint(keepers[1].corrids)
+        assert keepers[0].corrids | keepers[1].corrids == set(sequences) and all(k.corrids for k in keepers)
+        assert model.scheduler.inflight_count() == 0
+        await model.stop()
+
+    for strategy in STRATEGIES:
+        asyncio.run(run(strategy))
+
+
+def _where(keepers: list[Keeper], corrid: int) -> int:
+    return next(i for i, k in enumerate(keepers) if corrid in k.corrids)
+
+
+def test_a_new_sequence_waits_for_a_slot_and_gets_the_one_released() -> None:
+    """Two instances of one slot each: a third sequence waits (pending) until one ends, then runs on
+    that one's instance; a fourth gets the slot of the sequence idle the longest once it passes
+    max_sequence_idle_microseconds (no request of the idle one needed), whose next request without
+    START is then refused as Triton refuses it."""
+    async def main() -> None:
+        keepers = [Keeper(), Keeper()]
+        config = KEEPER.replace("max_batch_size: 4", "max_batch_size: 0").replace("STRATEGY", "") \
+            .replace("60000000", "200000")  # 0.2 s
+        model = load(config, *(Toy(k) for k in keepers))
+        assert _value(await _keeper_step(model, 1, 1, start=True)) == 1
+        assert _value(await _keeper_step(model, 2, 2, start=True)) == 2
+        third = _keeper_step(model, 3, 3, start=True)
+        await asyncio.sleep(0.05)
+        assert not third.done() and model.scheduler.pending_count() == 1  # in the backlog: pending, as in Triton
+        assert _value(await _keeper_step(model, 1, 10, end=True)) == 11
+        assert _value(await third) == 3 and _where(keepers, 3) == _where(keepers, 1)
+        fourth = _keeper_step(model, 4, 4, start=True)
+        await asyncio.sleep(0.05)
+        assert not fourth.done()
+        assert _value(await asyncio.wait_for(fourth, 2)) == 4  # sequence 2 idled out: its slot
+        assert _where(keepers, 4) == _where(keepers, 2)
+        refused = await _keeper_step(model, 2, 1)
+        assert isinstance(refused, PierError) and refused.code is ErrorCode.INVALID_ARG
+        assert refused.message == ("inference request for sequence 2 to model 'keep' must specify the START flag "
+                                   "on the first request of the sequence")
+        await model.stop()
+
+    asyncio.run(main())
+
+
+def test_the_sequences_of_an_instance_that_lost_its_state_are_over() -> None:
+    """An instance whose process died (its health report): its sequences' next requests without START
+    get Triton's error, and their slots serve new sequences; the other instance's go on."""
+    async def main() -> None:
+        keepers = [Keeper(), Keeper()]
+        config = KEEPER.replace("max_batch_size: 4", "max_batch_size: 0").replace("STRATEGY", "")
+        model = load(config, *(Toy(k) for k in keepers))
+        model.instance_names = ["keep_0", "keep_1"]
+        for s in (1, 2):
+            await _keeper_step(model, s, s, start=True)
+        waiting = _keeper_step(model, 3, 3, start=True)
+        await asyncio.sleep(0.02)
+        model.instance_lost(f"keep_{_where(keepers, 2)}")
+        assert _value(await asyncio.wait_for(waiting, 2)) == 3 and _where(keepers, 3) == _where(keepers, 2)
+        refused = await _keeper_step(model, 2, 5)
+        assert isinstance(refused, PierError) and "sequence 2 to model 'keep' must specify the START" in refused.message
+        assert _value(await _keeper_step(model, 1, 5, end=True)) == 6
+        await model.stop()
+
+    asyncio.run(main())
+
+
+def test_unloading_fails_new_sequences_and_finishes_the_running_ones() -> None:
+    """At unload a sequence waiting for a slot fails, as does a new one; a request queued behind its
+    sequence's request in flight still runs before the instance stops."""
+    async def main() -> None:
+        acc = Accumulator()
+        model = load(ACCUMULATE, Toy(acc))  # one instance, one slot
+        first = _step(model, 1, -1, start=True)  # held by the model
+        await asyncio.sleep(0.02)
+        behind = _step(model, 1, 2)
+        waiting = _step(model, 2, 5, start=True)
+        await asyncio.sleep(0.02)
+        stopping = asyncio.ensure_future(model.stop())
+        late = _step(model, 3, 1, start=True)
+        for refused in await asyncio.gather(waiting, late, return_exceptions=True):
+            assert isinstance(refused, PierError) and refused.code is ErrorCode.UNAVAILABLE, refused
+            assert refused.message == "model 'acc' is unloading: no new sequences are accepted"
+        acc.hold.set()
+        assert (_value(await first), _value(await behind)) == (-1, 1)
+        await asyncio.wait_for(stopping, 5)
 
     asyncio.run(main())
