@@ -122,24 +122,17 @@ class TritonPythonModel:
 '''
 
 # Triton's dyna_sequence custom backend (simple_string_dyna_sequence): an accumulator per sequence, reset by
-# START; the END request adds the correlation id (a string holding an integer).
+# START; the END request adds the correlation id (a string holding an integer). As the C++ backend
+# (src/test/dyna_sequence, ModelInstanceState::accumulator_), each instance keeps its own accumulators: the
+# config has two instances, and the sequence batcher must route all of a sequence's requests to one.
 DYNA_ACCUMULATE_PY = '''\
-import hashlib
-import os
-import tempfile
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    """The accumulator lives in files keyed by correlation id: the config has two instances (two stub processes,
-    where the C++ backend shares one model state), and a sequence's requests may reach either."""
-
     def initialize(self, args):
-        key = hashlib.sha1(args["model_repository"].encode()).hexdigest()[:12]
-        self.dir = os.path.join(tempfile.gettempdir(), f"qa_dyna_sequence_{key}")
-        os.makedirs(self.dir, exist_ok=True)
+        self.accumulator = {}
 
     def execute(self, requests):
         responses = []
@@ -149,18 +142,12 @@ class TritonPythonModel:
             start, end = int(get("START").flatten()[0]), int(get("END").flatten()[0])
             corrid = get("CORRID").flatten()[0]
             corrid = corrid.decode() if isinstance(corrid, bytes) else str(corrid)
-            path = os.path.join(self.dir, hashlib.sha1(corrid.encode()).hexdigest())
-            prev = 0
-            if not start and os.path.exists(path):
-                with open(path) as f:
-                    prev = int(f.read() or 0)
-            acc = prev + value
-            with open(path, "w") as f:
-                f.write(str(acc))
+            acc = (0 if start else self.accumulator.get(corrid, 0)) + value
+            self.accumulator[corrid] = acc
             out = acc
             if end:
                 out += int(corrid)
-                os.unlink(path)
+                del self.accumulator[corrid]
             responses.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("OUTPUT", np.array([[out]], dtype=np.int32))]))
         return responses

@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", choices=["pier", "triton"], default="pier")
     ap.add_argument("--suite", action="append", choices=list(SUITES), help="run only these suites (repeatable)")
+    ap.add_argument("--group", action="append", metavar="LABEL",
+                    help="run only the server groups with this label (repeatable; e.g. dyna: the -d client examples)")
     ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds for a server to become ready")
     ap.add_argument("--list", action="store_true", help="list the suites and exit")
     args = ap.parse_args(argv)
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 runner.record(suite, "setup", "FAIL", f"building the suite failed: {type(e).__name__}: {e}")
                 continue
             for group in groups:
-                runner.run_group(suite, group)
+                if not args.group or group.label in args.group:
+                    runner.run_group(suite, group)
     except KeyboardInterrupt:
         print("interrupted: stopping the server; the summary covers the cases run so far", file=sys.stderr)
     finally:
