@@ -1,6 +1,8 @@
-"""Composition root: builds the manager, plane and frontends; runs startup, serving and a
-graceful shutdown (SIGINT/SIGTERM: stop taking requests, finish in-flight ones within
---exit-timeout-secs, unload, exit 0)."""
+"""Composition root: builds the manager, plane and frontends; runs startup, serving and the
+shutdown (SIGINT/SIGTERM): close the listeners (a new connection is refused; one opened before
+is still served, each answer with `Connection: close`, and gRPC clients get GOAWAY), finish what
+is in flight, stop the endpoints, unload, exit 0; all within --exit-timeout-secs, or exit 1 then,
+naming what still ran, with every child process killed (`ExitDeadline`)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,16 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import signal
+import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 from aiohttp import web
 
 from pier.contract.errors import PierError
@@ -28,6 +35,8 @@ from pier.frontends.http.app import build_app
 from pier.frontends.http.middleware import quiet_client_mistakes
 from pier.frontends.metrics import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from pier.frontends.workers.pool import FrontendPool
+from pier.ipc.child import kill_all
+from pier.ipc.child import running as child_processes
 from pier.lifecycle.lifecycle import ModelLifecycle
 from pier.lifecycle.routing import RoutingTable
 from pier.observability import log_settings
@@ -67,7 +76,10 @@ class PierServer:
         self.control = ControlPlane(self.manager, settings.model_control_mode)
         self._watcher: RepositoryWatcher | None = None
         self._runners: list[web.AppRunner] = []
-        self._grpc = None
+        self._listeners: list[web.BaseSite] = []  # the client-facing HTTP ports, closed when the drain begins
+        self._grpc: grpc.aio.Server | None = None
+        self._grpc_closing: asyncio.Future[None] | None = None
+        self.phase = "serving"  # what shutdown() is doing, for the exit timeout's log line
         self._frontends: FrontendPool | None = None
         self._socket_dir: Path | None = None
 
@@ -102,7 +114,7 @@ class PierServer:
             if fronted:
                 await self._serve_unix(app, paths["http"])
             else:
-                await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port)
+                self._listeners.append(await self._serve_http(app, s.http_address, s.http_port, s.reuse_http_port))
         if s.allow_grpc:
             address = f"unix:{paths['grpc']}" if fronted else f"{_host(s.grpc_address)}:{s.grpc_port}"
             try:
@@ -130,13 +142,15 @@ class PierServer:
             await self._serve_http(app, s.metrics_address, s.metrics_port)
             log.info("Started Metrics Service at %s:%d", s.metrics_address, s.metrics_port)
 
-    async def _serve_http(self, app: web.Application, address: str, port: int, reuse_port: bool = False) -> None:
+    async def _serve_http(self, app: web.Application, address: str, port: int, reuse_port: bool = False) -> web.TCPSite:
         # handler_cancellation: a client that disconnects cancels its request (queued, or running
         # in the LLM engine), as gRPC does; load/unload run to completion regardless (control_plane).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        await web.TCPSite(runner, address, port, reuse_address=True, reuse_port=reuse_port or None).start()
+        site = web.TCPSite(runner, address, port, reuse_address=True, reuse_port=reuse_port or None)
+        await site.start()
         self._runners.append(runner)
+        return site
 
     async def _serve_unix(self, app: web.Application, path: str) -> None:
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
@@ -171,27 +185,99 @@ class PierServer:
             self._watcher.start()
 
     async def shutdown(self) -> None:
+        """Drain, then stop. New connections are refused from the start (the listeners close, as
+        nginx, Go's Shutdown and Envoy do: in Kubernetes the preStop sleep has already let the
+        endpoints forget this pod); a connection opened before is still served, over HTTP each
+        answer with `Connection: close`, and gRPC clients get GOAWAY (their streams finish, their
+        next call reconnects elsewhere). Once nothing is in flight the endpoints stop and the
+        models unload. Bounded by ExitDeadline, not here."""
+        self.phase = "draining"
         self.plane.begin_exit()
         if self._frontends is not None:
-            self._frontends.begin_exit()
+            self._frontends.begin_exit()  # they close their listeners and say Connection: close
+        for site in self._listeners:
+            await site.stop()  # the listening socket only: open connections stay
+        if self._grpc is not None and self._frontends is None:  # stop accepting, GOAWAY; calls go on
+            self._grpc_closing = asyncio.ensure_future(self._grpc.stop(self.settings.exit_timeout_secs))
         if self._watcher is not None:
             await self._watcher.stop()
-        try:
-            await asyncio.wait_for(self.plane.wait_idle(), self.settings.exit_timeout_secs)
-        except asyncio.TimeoutError:
-            log.warning("exit timeout: in-flight requests did not finish within %.0fs",
-                        self.settings.exit_timeout_secs)
+        await self.plane.wait_idle()
+        self.phase = "stopping the endpoints"
         if self._frontends is not None:
             await self._frontends.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
+            if self._grpc_closing is not None:
+                await self._grpc_closing
         for runner in self._runners:
             await runner.cleanup()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         self.plane.shared_memory.close()
         self.plane.tracer.close()
+        self.phase = "unloading the models"
         await self.manager.unload_all()
+
+    def still_running(self) -> str:
+        """What holds the shutdown up, in words (any thread): the requests in flight, else the phase."""
+        running = self.plane.running()
+        if running:
+            return f"{len(running)} request{'s' if len(running) > 1 else ''} still running: " + "; ".join(running)
+        return f"still {self.phase}"
+
+    def abandon(self) -> None:
+        """The last things an exit that cannot wait does (any thread): the socket folder goes."""
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+class ExitDeadline:
+    """--exit-timeout-secs, armed when the drain begins. If the server has not stopped by then,
+    a thread of its own (the event loop may be the one that is stuck: an LLM step, a model's
+    execute on the loop) logs what still ran, kills every child process (pier.ipc: Python stubs,
+    the LLM engine core, frontend processes) and exits with status 1, as Triton does ("Exit
+    timeout expired. Exiting immediately."): a stuck execute or a stream left open cannot hold
+    the exit, and no worker thread or executor is waited for."""
+
+    def __init__(self, seconds: float, what: Callable[[], str], last: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self._what = what
+        self._last = last
+        self._lock = threading.Lock()
+        self._done = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def arm(self) -> None:
+        self._timer.start()
+
+    def disarm(self) -> None:
+        """The shutdown finished in time (once the deadline fired, this never returns: the process exits)."""
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            try:
+                what = self._what()
+            except Exception as exc:  # never let the description keep the process alive
+                what = f"(could not say what: {exc!r})"
+            children = child_processes()
+            killing = f"killing {len(children)} child process{'es' if len(children) > 1 else ''} " \
+                f"({', '.join(children)}) and " if children else ""
+            log.error("exit timeout: %g s after the signal, %s; %sexiting now with status 1", self.seconds, what,
+                      killing)
+            logging.disable(logging.CRITICAL)  # the supervisors would report each death, and restarts that fail
+            try:
+                kill_all()
+                self._last()
+            finally:
+                logging.shutdown()  # flush the log handlers: os._exit skips them
+                sys.stdout.flush()
+                os._exit(1)
 
 
 async def serve(settings: Settings) -> int:
@@ -219,8 +305,12 @@ async def serve(settings: Settings) -> int:
     server.start_watching()
     log.info("Pier is ready")
     await stop.wait()
-    log.info("shutting down: finishing in-flight requests")
+    log.info("shutting down: new connections refused, finishing in-flight requests (at most %g s)",
+             settings.exit_timeout_secs)
+    deadline = ExitDeadline(settings.exit_timeout_secs, server.still_running, server.abandon)
+    deadline.arm()
     await server.shutdown()
+    deadline.disarm()
     log.info("stopped")
     return 0
 

@@ -1,6 +1,9 @@
-"""ONNX models that only tests need (the example ones live in scripts/build_example_models.py)."""
+"""ONNX models that only tests need (the example ones live in scripts/build_example_models.py),
+and python models of work of a known length (`write_sleep_models`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
@@ -47,3 +50,66 @@ version_policy: {policy}
 input [ {{ name: "X" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 """
+
+
+SLEEP_MODELS = {
+    # OUT = SECONDS, answered after sleeping SECONDS.
+    "sleep_py": ("""name: "sleep_py"
+backend: "python"
+max_batch_size: 0
+input [ { name: "SECONDS" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+{extra}
+""", """import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            seconds = pb_utils.get_input_tensor_by_name(request, "SECONDS").as_numpy()
+            time.sleep(float(seconds[0]))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", seconds)]))
+        return responses
+"""),
+    # Decoupled: COUNT responses OUT = 0, 1, ..., each followed by SECONDS of sleep, then the
+    # final flag (a stream of a known length, or with a long sleep one left open).
+    "sleep_decoupled_py": ("""name: "sleep_decoupled_py"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "SECONDS" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+{extra}
+""", """import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            seconds = float(pb_utils.get_input_tensor_by_name(request, "SECONDS").as_numpy()[0])
+            count = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(count):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]))
+                time.sleep(seconds)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""),
+}
+
+
+def write_sleep_models(repo: Path, extra: str = "") -> None:
+    """`sleep_py` and `sleep_decoupled_py` into `repo` (`extra`: more config lines for both, such as
+    an execution_mode parameter): python models whose work lasts as long as the request says."""
+    for name, (config, code) in SLEEP_MODELS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(config.replace("{extra}", extra))
+        (repo / name / "1" / "model.py").write_text(code)

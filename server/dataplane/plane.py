@@ -4,6 +4,7 @@ HTTP and gRPC frontends. Takes and returns internal types only."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol, TypeVar
@@ -77,7 +78,8 @@ class DataPlane:
         self._strict = strict_readiness
         self._started = False
         self._exiting = False
-        self._inflight = 0
+        self._keys = itertools.count()
+        self._running: dict[int, tuple[LoadedModel, InferenceRequest, float]] = {}  # in flight: model, request, since
         self._idle = asyncio.Event()
         self._idle.set()
         self.shared_memory = SystemSharedMemory()  # regions clients registered (system shared memory extension)
@@ -97,6 +99,13 @@ class DataPlane:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+    def running(self) -> list[str]:
+        """The requests in flight now, oldest first, in words: what the exit timeout names when it
+        expires. Safe from any thread (it reads a copy, which the interpreter lock makes whole)."""
+        now = time.monotonic()
+        return [f"model '{m.spec.name}' version {m.version} request '{r.id or '<no id>'}' ({now - since:.1f} s)"
+                for m, r, since in sorted(self._running.copy().values(), key=lambda e: e[2])]
 
     def live(self) -> bool:
         """Live while it drains after SIGTERM too (Triton answers "Server exiting" there): a
@@ -189,13 +198,15 @@ class DataPlane:
         that a sequence spanning requests completes): models unload only after the drain."""
         return model if model is not None else self.resolve(request.model_name, request.model_version)
 
-    def _begin(self) -> None:
-        self._inflight += 1
+    def _begin(self, model: LoadedModel, request: InferenceRequest) -> int:
+        key = next(self._keys)
+        self._running[key] = (model, request, time.monotonic())
         self._idle.clear()
+        return key
 
-    def _end(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0:
+    def _end(self, key: int) -> None:
+        del self._running[key]
+        if not self._running:
             self._idle.set()
 
     @staticmethod
@@ -279,11 +290,11 @@ class DataPlane:
             if self.cache is not None and model.spec.response_cache:
                 return await self._infer_cached(model, request, batch, self.cache)
         trace, owned = self._trace(model, request) if self.tracer.on or request.trace else (None, False)
-        self._begin()
+        key = self._begin(model, request)
         try:
             result = await model.scheduler.enqueue(WorkItem(request, batch))
         finally:
-            self._end()
+            self._end(key)
         if isinstance(result, PierError):
             if trace is not None:
                 self._end_trace(trace, owned, [])
@@ -331,7 +342,7 @@ class DataPlane:
                 loop.call_soon_threadsafe(queue.put_nowait, (result, final))
 
         request.response_sink = sink
-        self._begin()
+        key = self._begin(model, request)
         work = WorkItem(request, batch)
         executed = asyncio.ensure_future(model.scheduler.enqueue(work))
         first = True
@@ -370,7 +381,7 @@ class DataPlane:
             on_cancel, request.on_cancel = request.on_cancel, None
             if on_cancel is not None:
                 on_cancel()
-            self._end()
+            self._end(key)
             if trace is not None:
                 self._end_trace(trace, owned, [])
 

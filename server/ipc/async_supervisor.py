@@ -175,7 +175,7 @@ class AsyncSupervisor(Generic[L]):
         assert self._stop_asked is not None
         self._generation += 1
         try:
-            child = launch_child(self._owner.launch, self._generation)
+            child = launch_child(self._owner.launch, self._generation, self.name)
         except Exception as exc:
             return None, exc
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,17 +98,27 @@ class StartTimeout(TimeoutError):
 _PENDING = object()
 
 
+_LIVE: dict[Child[Any], None] = {}  # every child spawned and not yet released, in spawn order
+_LIVE_LOCK = threading.Lock()
+_ENDING = False  # kill_all() has run: the server is exiting now, no child may start
+
+
 class Child(Generic[L]):
     """One running process (a restart makes a new one) and the owner's side of its transport."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], link: L, generation: int) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], link: L, generation: int, name: str = "") -> None:
         self.proc = proc
         self.pid = proc.pid
         self.link = link
         self.generation = generation  # 1 for the first start, then one more per restart
+        self.name = name or "child process"  # its supervisor's name
         self.pidfd = os.pidfd_open(proc.pid)
         self._outcome: object = _PENDING
         self._on_settled: Callable[[], None] = lambda: None
+        with _LIVE_LOCK:
+            _LIVE[self] = None
+            if _ENDING:  # spawned while kill_all() ran: it goes too
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
     # ---- the start handshake: the owner's reading of the child's first answer settles it ----
 
@@ -147,15 +158,48 @@ class Child(Generic[L]):
 
     def release(self) -> None:
         """Close the pidfd and the owner's transport (idempotent; after reap)."""
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
+        with _LIVE_LOCK:  # kill_all() signals through the pidfd under this lock
+            _LIVE.pop(self, None)
+            if self.pidfd >= 0:
+                os.close(self.pidfd)
+                self.pidfd = -1
         self.link.close()
 
 
-def spawn(launch: Launch, link: L, generation: int = 1) -> Child[L]:
+def running() -> list[str]:
+    """The child processes running now, in words ("llm-core (pid 12)"). Any thread."""
+    with _LIVE_LOCK:
+        return [f"{c.name} (pid {c.pid})" for c in _LIVE if c.proc.returncode is None]
+
+
+def kill_all(timeout_s: float = 5.0) -> None:
+    """SIGKILL every child process still running, whichever supervisor runs it, and wait (up to
+    `timeout_s` in all) for each to end; from then on no child starts (a supervisor's restart
+    fails). The server's last act when it must exit now (its exit timeout expired with work still
+    running), so that no child outlives it even for the moment PR_SET_PDEATHSIG would take. Any thread."""
+    global _ENDING
+    with _LIVE_LOCK:
+        _ENDING = True
+        children = list(_LIVE)
+        for child in children:
+            if child.proc.returncode is None and child.pidfd >= 0:
+                try:
+                    signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+                except ProcessLookupError:  # exited already
+                    pass
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused; a D-state child
+            pass
+
+
+def spawn(launch: Launch, link: L, generation: int = 1, name: str = "") -> Child[L]:
     """Start a child: the only subprocess.Popen of a Pier child process. Raises OSError (the
     inherited socket ends are closed either way; `link` is the caller's to close then)."""
+    if _ENDING:
+        raise OSError("the server is exiting")
     env = dict(os.environ if launch.env is None else launch.env)
     env[PARENT_ENV] = str(os.getpid())
     try:
@@ -165,7 +209,7 @@ def spawn(launch: Launch, link: L, generation: int = 1) -> Child[L]:
         for s in launch.inherit:
             s.close()
     try:
-        return Child(proc, link, generation)
+        return Child(proc, link, generation, name)
     except OSError:  # pragma: no cover - no pidfd to be had: do not leave it running
         proc.kill()
         proc.wait()
@@ -181,11 +225,12 @@ def call_hook(name: str, hook: Callable[..., T], *args: Any) -> T | None:
         return None
 
 
-def launch_child(launch: Callable[[], tuple[Launch, L]], generation: int) -> Child[L]:
-    """Spawn the child an owner's `launch` describes; raises what failed (its transport closed)."""
+def launch_child(launch: Callable[[], tuple[Launch, L]], generation: int, name: str = "") -> Child[L]:
+    """Spawn the child an owner's `launch` describes (`name`: its supervisor's); raises what failed
+    (its transport closed)."""
     how, link = launch()
     try:
-        return spawn(how, link, generation)
+        return spawn(how, link, generation, name)
     except BaseException:
         link.close()
         raise

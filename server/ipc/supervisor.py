@@ -193,7 +193,7 @@ class Supervisor(Generic[L]):
         """A new child, ready: (child, None); else (None, why) with nothing left running."""
         self._generation += 1
         try:
-            child = launch_child(self._owner.launch, self._generation)
+            child = launch_child(self._owner.launch, self._generation, self.name)
         except Exception as exc:
             return None, exc
         try:

@@ -11,7 +11,7 @@ the frontend's), so one that does not decode fails that request alone.
     server -> frontend   Start settings paths         (first: the server's Settings and socket paths)
                          Admitted rid refused         (None: go on; else (seconds to wait, the limit's scope))
                          Reply rid response|error
-                         Exiting                      (the server drains: Connection: close)
+                         Exiting                      (the server drains: close the listeners, Connection: close)
                          Stop                         (close the ports and exit)
                          LogSettings settings         (the logging extension changed them)
 """

@@ -253,7 +253,8 @@ class FrontendPool:
     # ---- drain and stop -------------------------------------------------------------------
 
     def begin_exit(self) -> None:
-        """The server drains: every answer from now on says `Connection: close`."""
+        """The server drains: the frontends close their listeners (new connections are refused;
+        gRPC clients get GOAWAY), and every answer from now on says `Connection: close`."""
         self._exiting = True
         self._broadcast(fm.Exiting())
 

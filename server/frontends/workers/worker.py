@@ -14,8 +14,8 @@ message), which says whether a tensor is in shared memory (the server holds the 
 
 FD is this process's end of its channel; the settings arrive as the first message. The process
 dies with the server (pier.ipc.processes.die_with_parent), ignores SIGINT and SIGTERM (the server
-drains and stops its frontends itself), and exits when the server tells it to, or when the
-channel closes.
+drains and stops its frontends itself: when it drains, a frontend closes its listeners), and
+exits when the server tells it to, or when the channel closes.
 """
 
 from __future__ import annotations
@@ -271,6 +271,7 @@ class Frontend:
         self._sock = sock
         self._settings: asyncio.Future[fm.Start] | None = None
         self._stop = asyncio.Event()
+        self._draining = asyncio.Event()  # the server drains (or stops): close the listeners
         self._log: dict[str, Any] | None = None  # the server's log settings, until ours are installed
         self._log_installed = False
 
@@ -279,7 +280,9 @@ class Frontend:
             self.plane.answer(message, mapping)
         elif isinstance(message, fm.Exiting):
             self.plane.exiting = True
+            self._draining.set()
         elif isinstance(message, fm.Stop):
+            self._draining.set()
             self._stop.set()
         elif isinstance(message, fm.LogSettings):
             if self._log_installed:  # follow the server's
@@ -291,6 +294,7 @@ class Frontend:
 
     def _closed(self) -> None:
         self.plane.fail_all()
+        self._draining.set()
         self._stop.set()
         if self._settings is not None and not self._settings.done():
             self._settings.set_exception(ConnectionError("the server closed the channel"))
@@ -308,7 +312,7 @@ class Frontend:
         if self._log is not None:
             log_settings.update({k: v for k, v in self._log.items() if k != "log_file"})
         self._log_installed = True
-        runner = proxy = forwarder = server = None
+        runner = proxy = forwarder = server = site = None
         try:
             if settings.allow_http:
                 proxy = HttpProxy(paths["http"])
@@ -318,8 +322,9 @@ class Frontend:
                 runner = web.AppRunner(build_http_app(self.plane, settings, proxy), access_log=None,
                                        handle_signals=False, handler_cancellation=True, auto_decompress=False)
                 await runner.setup()
-                await web.TCPSite(runner, settings.http_address, settings.http_port, reuse_address=True,
-                                  reuse_port=True).start()
+                site = web.TCPSite(runner, settings.http_address, settings.http_port, reuse_address=True,
+                                   reuse_port=True)
+                await site.start()
             if settings.allow_grpc:
                 forwarder = GrpcForwarder(paths["grpc"], settings.grpc_max_message_size)
                 server = grpc_server(settings.grpc_max_message_size, settings.grpc_options, True,
@@ -339,10 +344,17 @@ class Frontend:
             await asyncio.sleep(0.1)  # let the message go before the channel closes
             return 1
         channel.send(fm.Ready())
+        await self._draining.wait()
+        # The server drains, as it does in one process (pier.app): new connections are refused (the
+        # listeners close), those open are still served (Connection: close; gRPC: GOAWAY).
+        if site is not None:
+            await site.stop()
+        closing = asyncio.ensure_future(server.stop(settings.exit_timeout_secs)) if server is not None else None
         await self._stop.wait()
         # The server has drained: finish what is still open here, then close.
-        if server is not None:
+        if server is not None and closing is not None:
             await server.stop(grace=1.0)
+            await closing
         if runner is not None:
             await runner.cleanup()
         for part in (proxy, forwarder):

@@ -1,0 +1,82 @@
+"""--exit-timeout-secs bounds the whole shutdown: a python model's execute stuck for 120 s (in its
+stub, or in the server's own process) or a decoupled stream left open cannot hold the exit. At the
+timeout the server exits with status 1 (as Triton: "Exit timeout expired. Exiting immediately.")
+after a log line naming what still ran, and leaves no child process behind (stubs, frontend
+processes: every child of pier.ipc's supervisors is killed and reaped first)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import PierProcess, alive, descendants, numpy_inputs, start_pier
+from tests.model_builders import write_sleep_models
+
+pytestmark = pytest.mark.frontends  # the frontends are children too, and they drain with the server
+
+TIMEOUT_S = 3.0
+SLACK_S = 5.0  # two shared cores: the kill, the reaping and the log flush after the deadline
+
+
+def _server(tmp_path: Path, extra: str = "") -> PierProcess:
+    repo = tmp_path / "repo"
+    write_sleep_models(repo, extra)
+    return start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log")
+
+
+def _exits_at_the_timeout(server: PierProcess, what: str) -> None:
+    children = descendants(server.proc.pid)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(TIMEOUT_S + SLACK_S)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        raise AssertionError(f"still running {TIMEOUT_S + SLACK_S:g} s after SIGTERM:\n{server.log()}") from None
+    took = time.monotonic() - t0
+    log = server.log()
+    assert code == 1, (code, log)
+    assert took >= TIMEOUT_S - 0.2, (took, log)
+    assert "exit timeout: 3 s after the signal, 1 request still running: " + what in log, log
+    assert not alive(children), (alive(children), log)
+
+
+@pytest.mark.parametrize("mode", ["process", "in_process"])
+def test_a_stuck_execute_cannot_hold_the_exit(tmp_path: Path, mode: str) -> None:
+    import tritonclient.http as httpclient
+
+    server = _server(tmp_path, f'parameters {{ key: "execution_mode" value {{ string_value: "{mode}" }} }}')
+    client = httpclient.InferenceServerClient(server.http_url, connection_timeout=300, network_timeout=300)
+    inputs = numpy_inputs(httpclient, {"SECONDS": np.array([120], np.float32)})
+    threading.Thread(target=lambda: client.async_infer("sleep_py", inputs, request_id="stuck"), daemon=True).start()
+    time.sleep(1.0)  # it runs
+    if mode == "process":
+        assert descendants(server.proc.pid), "the model's stub process"
+    _exits_at_the_timeout(server, "model 'sleep_py' version 1 request 'stuck'")
+
+
+def test_a_stream_left_open_cannot_hold_the_exit(tmp_path: Path) -> None:
+    import tritonclient.grpc as grpcclient
+
+    server = _server(tmp_path)
+    got: list[object] = []
+    first = threading.Event()
+
+    def callback(result, error) -> None:
+        got.append(error if error is not None else int(result.as_numpy("OUT")[0]))
+        first.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback)
+    inputs = numpy_inputs(grpcclient, {"SECONDS": np.array([120], np.float32), "COUNT": np.array([2], np.int32)})
+    client.async_stream_infer("sleep_decoupled_py", inputs, request_id="open")  # one response, then 120 s
+    assert first.wait(30), server.log()
+    assert got == [0]
+    _exits_at_the_timeout(server, "model 'sleep_decoupled_py' version 1 request 'open'")
+    client.stop_stream(cancel_requests=True)
