@@ -132,6 +132,18 @@ class DataPlane:
         runs it."""
         return self._routes.resolve(name, version)  # an empty name is an unknown model, as in Triton
 
+    def not_serving(self, name: str) -> str | None:
+        """Why a model this server knows has no version serving now, in words (None: one serves,
+        or the name is unknown): a frontend that lists only what serves says so, not "unknown"."""
+        route = self._routes.route(name)
+        if route is None or not route.known or route.ready:
+            return None
+        try:
+            self._routes.resolve(name)
+        except PierError as exc:
+            return exc.message
+        return None
+
     def model_ready(self, name: str, version: str = "") -> bool:
         """True when a version can serve; unknown models/versions raise as Triton's lookup does."""
         self.resolve(name, version)

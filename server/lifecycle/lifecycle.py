@@ -312,8 +312,10 @@ class ModelLifecycle:
         if record.weights and not any(v in ready and w > 0 for v, w in record.weights.items()):
             log.info("traffic for '%s': weighted versions are gone, back to the newest READY version", record.name)
             record.weights = {}
+        why = "; ".join(f"version {v} is {vr.state.value}: {vr.reason}" for v, vr in sorted(record.versions.items())
+                        if vr.state is not ModelState.READY and vr.reason)
         self._routes.publish(Route.build(record.name, frozenset(record.versions), ready, record.weights,
-                                         failed=bool(record.error), healthy=_healthy(record)))
+                                         failed=bool(record.error), healthy=_healthy(record), why=why))
 
     def set_weights(self, name: str, weights: dict[int, float]) -> dict[int, float]:
         """Split unversioned traffic over READY versions; {} goes back to newest READY."""

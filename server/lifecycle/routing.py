@@ -33,10 +33,11 @@ class Route:
     cumulative: tuple[float, ...] = ()
     failed: bool = False  # a model-level failure (bad config): known, with no version to serve
     healthy: bool = True  # strict readiness: no version of it failed (unloaded on purpose is fine)
+    why: str = ""  # why the versions that are not READY are not, in words (a request then says so)
 
     @classmethod
     def build(cls, name: str, versions: frozenset[int], ready: dict[int, LoadedModel],
-              weights: dict[int, float], failed: bool = False, healthy: bool = True) -> Route:
+              weights: dict[int, float], failed: bool = False, healthy: bool = True, why: str = "") -> Route:
         """The snapshot for `ready` versions split by `weights` (only READY versions with weight > 0)."""
         models, cumulative, total = [], [], 0.0
         for v in sorted(v for v, w in weights.items() if v in ready and w > 0):
@@ -44,7 +45,7 @@ class Route:
             models.append(ready[v])
             cumulative.append(total)
         return cls(name, versions, MappingProxyType(dict(ready)), tuple(models), tuple(cumulative), failed,
-                   healthy)
+                   healthy, why)
 
     @property
     def known(self) -> bool:
@@ -70,8 +71,9 @@ class Route:
             i = bisect.bisect_right(self.cumulative, random.random() * self.cumulative[-1])
             return self.weighted[min(i, len(self.weighted) - 1)]
         newest = self.newest
-        if newest is None:
-            raise not_found(f"Request for unknown model: '{model_name(self.name)}' has no available versions")
+        if newest is None:  # Triton's words, then why (a stub that died and restarts, a failed load, ...)
+            raise not_found(f"Request for unknown model: '{model_name(self.name)}' has no available versions"
+                            + (f" ({self.why})" if self.why else ""))
         return newest
 
     def traffic(self) -> dict[int, float]:

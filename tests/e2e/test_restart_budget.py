@@ -156,8 +156,24 @@ def test_the_engine_core_restarts_at_once_then_after_the_backoff(tmp_path: Path)
     shutil.copytree(EXAMPLE_REPO / "identity_fp32", repo / "identity_fp32")
     server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=120)
     try:
-        pids, gaps = _kill_twice(server, "pier.backends.llm.engine_core", _ready(server, "tiny_llama"))
+        marker = "pier.backends.llm.engine_core"
+        pids, gaps = _kill_twice(server, marker, _ready(server, "tiny_llama"))
         _check_backoff(gaps)
+        # a third death (its restart waits 2 s): meanwhile the OpenAI API says why, not "does not exist"
+        os.kill(pids[-1], signal.SIGKILL)
+        answers: list[tuple[int, str]] = []
+
+        def refused() -> bool:
+            r = requests.post(f"{server.base()}/v1/completions", timeout=30,
+                              json={"model": "tiny_llama", "prompt": "x", "max_tokens": 1})
+            answers.append((r.status_code, r.text))
+            return "is not available now" in r.text
+
+        _until(refused, "a refusal while the engine core restarts", timeout=30)
+        assert answers[-1][0] == 503 and "killed by signal 9" in answers[-1][1], answers
+        assert not [a for a in answers if a[0] == 404], answers
+        pids += _until(lambda: [p for p in _children(server.proc.pid, marker) if p not in pids],  # type: ignore[arg-type]
+                       "its restart")
         _dies_with_the_server(server, pids[-1:])
     finally:
         server.stop()

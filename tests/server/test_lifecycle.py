@@ -193,11 +193,16 @@ def test_instance_health_makes_a_version_unavailable_and_ready_again(tmp_path: P
         assert s.states("m") == {1: ("READY", "")} and await s.add() == 1.0  # the other instance serves
         lc.health_changed("m", 1, model, {"m_0": "its process died", "m_1": "killed by signal 9"})
         assert s.states("m") == {1: ("UNAVAILABLE", "its process died; killed by signal 9")}
-        with pytest.raises(PierError, match="has no available versions"):
+        with pytest.raises(PierError, match=r"'m' has no available versions \(version 1 is UNAVAILABLE: its process "
+                                            r"died; killed by signal 9\)"):  # Triton's words, then why
             await s.add()
+        assert s.plane.not_serving("m") == ("Request for unknown model: 'm' has no available versions (version 1 is "
+                                            "UNAVAILABLE: its process died; killed by signal 9)")
+        assert s.plane.not_serving("nope") is None  # unknown: the frontend says so itself
         assert not s.plane.ready()
         lc.health_changed("m", 1, model, {"m_1": "killed by signal 9"})  # one is back
         assert s.states("m") == {1: ("READY", "")} and await s.add() == 1.0 and s.plane.ready()
+        assert s.plane.not_serving("m") is None
         assert await s.apply("m", force=True) == ""  # a reload replaces the load...
         lc.health_changed("m", 1, model, {"m_0": "late", "m_1": "late"})  # ...so what the old one says is moot
         assert s.states("m") == {1: ("READY", "")} and await s.add() == 1.0

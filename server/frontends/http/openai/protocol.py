@@ -3,6 +3,7 @@ fields), read as vLLM's pydantic models read them (lax mode), and errors in Open
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -97,14 +98,17 @@ async def read_body(request: web.Request, max_json_size: int) -> dict[str, Any]:
     return doc
 
 
-def check_model(name: Any, models: list[str]) -> str:
-    """The request's `model`, one of `models` (the LLM models served)."""
+def check_model(name: Any, models: list[str], not_serving: Callable[[str], str | None] | None = None) -> str:
+    """The request's `model`, one of `models` (the LLM models served). `not_serving`: why a model
+    the server knows serves no version now (its engine restarts, say), refused 503 with that reason."""
     if name is None and len(models) == 1:  # as vLLM: the model is optional when one is served
         return models[0]
     if name is None and models:
         raise BadRequest(f"'model' is required: this server serves {', '.join(models)}.", "model")
     if name is not None and not isinstance(name, str):  # a malformed request, not an unknown model
         raise BadRequest(f"model must be a string, got {json_type(name)}.", "model")
+    if name is not None and name not in models and not_serving is not None and (why := not_serving(name)):
+        raise BadRequest(f"The model `{name}` is not available now: {why}", "model", 503)
     if name not in models:
         raise BadRequest(f"The model `{name}` does not exist. Models served here: {', '.join(models) or 'none'}.",
                          "model", 404)

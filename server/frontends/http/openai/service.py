@@ -74,7 +74,7 @@ class OpenAIHandlers:
         try:
             doc = await read_body(request, self.max_json_size)
             llms = self.plane.models_with_backend(llm.BACKEND_NAME)  # read once for the whole call
-            model = check_model(doc.get("model"), list(llms))
+            model = check_model(doc.get("model"), list(llms), self.plane.not_serving)
             info = llms.get(model, {})
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
