@@ -80,3 +80,34 @@ def test_a_stream_left_open_cannot_hold_the_exit(tmp_path: Path) -> None:
     assert got == [0]
     _exits_at_the_timeout(server, "model 'sleep_decoupled_py' version 1 request 'open'")
     client.stop_stream(cancel_requests=True)
+
+
+@pytest.mark.llm
+def test_a_client_that_never_reads_cannot_hold_the_exit(tmp_path: Path) -> None:
+    """An OpenAI stream whose client never reads stays in flight (the server waits to write): at
+    the timeout the server exits 1 all the same, naming it, and the LLM engine core goes too."""
+    import json
+    import socket
+
+    from tests.backends.llm.tiny_model import build_model
+
+    repo = tmp_path / "repo"
+    build_model(repo / "tiny_llama" / "1", "llama", max_position_embeddings=4096)
+    (repo / "tiny_llama" / "config.pbtxt").write_text(
+        'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
+    server = start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log", timeout=120)
+    # about 10 MB of events (two choices, five alternatives per token): more than the socket buffers hold
+    body = json.dumps({"model": "tiny_llama", "prompt": "never read", "max_tokens": 4000, "temperature": 1, "seed": 0,
+                       "stream": True, "ignore_eos": True, "n": 2, "logprobs": 5}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+    sock.connect(("127.0.0.1", server.http_port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-ID: slow\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    time.sleep(2.0)  # it streams, then waits for us
+    try:
+        assert any("engine_core" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+                   for p in descendants(server.proc.pid)), "the engine core process"
+        _exits_at_the_timeout(server, "model 'tiny_llama' version 1 request ")
+    finally:
+        sock.close()
