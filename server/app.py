@@ -11,10 +11,8 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +33,7 @@ from pier.frontends.http.app import build_app
 from pier.frontends.http.middleware import quiet_client_mistakes
 from pier.frontends.metrics import CONTENT_TYPE, MetricsConfig, MetricsRenderer
 from pier.frontends.workers.pool import FrontendPool
-from pier.ipc.child import kill_all
+from pier.ipc.child import drop_scratch, kill_all, scratch_folder
 from pier.ipc.child import running as child_processes
 from pier.lifecycle.lifecycle import ModelLifecycle
 from pier.lifecycle.routing import RoutingTable
@@ -103,7 +101,7 @@ class PierServer:
         # in a private folder: the frontends relay there what they do not serve themselves.
         fronted = s.frontend_processes > 0 and (s.allow_http or s.allow_grpc)
         if fronted:
-            self._socket_dir = Path(tempfile.mkdtemp(prefix="pier-frontends-"))
+            self._socket_dir = Path(scratch_folder("pier-frontends-"))
         paths = {"http": str(self._socket_dir / "http.sock"), "grpc": str(self._socket_dir / "grpc.sock")} \
             if self._socket_dir is not None else {}
         behind = f" ({s.frontend_processes} frontend processes)" if fronted else ""
@@ -212,7 +210,7 @@ class PierServer:
         for runner in self._runners:
             await runner.cleanup()
         if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            drop_scratch(str(self._socket_dir))
         self.plane.shared_memory.close()
         self.plane.tracer.close()
         self.phase = "unloading the models"
@@ -225,11 +223,6 @@ class PierServer:
             return f"{len(running)} request{'s' if len(running) > 1 else ''} still running: " + "; ".join(running)
         return f"still {self.phase}"
 
-    def abandon(self) -> None:
-        """The last things an exit that cannot wait does (any thread): the socket folder goes."""
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-
 
 class ExitDeadline:
     """--exit-timeout-secs, armed when the drain begins. If the server has not stopped by then,
@@ -239,10 +232,9 @@ class ExitDeadline:
     timeout expired. Exiting immediately."): a stuck execute or a stream left open cannot hold
     the exit, and no worker thread or executor is waited for."""
 
-    def __init__(self, seconds: float, what: Callable[[], str], last: Callable[[], None]) -> None:
+    def __init__(self, seconds: float, what: Callable[[], str]) -> None:
         self.seconds = seconds
         self._what = what
-        self._last = last
         self._lock = threading.Lock()
         self._done = False
         self._timer = threading.Timer(seconds, self._expire)
@@ -272,8 +264,7 @@ class ExitDeadline:
                       killing)
             logging.disable(logging.CRITICAL)  # the supervisors would report each death, and restarts that fail
             try:
-                kill_all()
-                self._last()
+                kill_all()  # and the children's scratch folders (the frontends' sockets, the LLM core's)
             finally:
                 logging.shutdown()  # flush the log handlers: os._exit skips them
                 sys.stdout.flush()
@@ -307,7 +298,7 @@ async def serve(settings: Settings) -> int:
     await stop.wait()
     log.info("shutting down: new connections refused, finishing in-flight requests (at most %g s)",
              settings.exit_timeout_secs)
-    deadline = ExitDeadline(settings.exit_timeout_secs, server.still_running, server.abandon)
+    deadline = ExitDeadline(settings.exit_timeout_secs, server.still_running)
     deadline.arm()
     await server.shutdown()
     deadline.disarm()

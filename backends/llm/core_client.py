@@ -18,9 +18,7 @@ the model is reloaded.
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy
+from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy, drop_scratch, scratch_folder
 from pier.ipc.messages import BadMessage, encode
 from pier.ipc.supervisor import Readers, Supervisor
 
@@ -77,7 +75,7 @@ class EngineCoreClient(EngineClient):
         self._init = cm.Init(str(model_dir), dict(parameters), dict(overrides))
         self._on_health = on_health or (lambda reason: None)
         self._zmq = zmq.Context()
-        self._dir = tempfile.mkdtemp(prefix="pier-llm-core-")
+        self._dir = scratch_folder("pier-llm-core-")
         self._send_lock = threading.Lock()
         self._core: _Core | None = None  # the one serving now
         self._generation = 0
@@ -131,7 +129,7 @@ class EngineCoreClient(EngineClient):
 
     def _cleanup(self) -> None:
         self._zmq.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        drop_scratch(self._dir)
 
     # -- the supervisor's owner (its thread) ------------------------------------------------------
 

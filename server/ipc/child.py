@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -101,6 +103,23 @@ _PENDING = object()
 _LIVE: dict[Child[Any], None] = {}  # every child spawned and not yet released, in spawn order
 _LIVE_LOCK = threading.Lock()
 _ENDING = False  # kill_all() has run: the server is exiting now, no child may start
+_SCRATCH: set[str] = set()  # the owners' private folders (socket files), removed by kill_all() too
+
+
+def scratch_folder(prefix: str) -> str:
+    """A private temporary folder for a child's transport (Unix or ZeroMQ ipc:// socket files),
+    made with mode 0700 so only this user can connect; its owner removes it (drop_scratch), and
+    so does kill_all() when the server cannot wait for the owners."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with _LIVE_LOCK:
+        _SCRATCH.add(path)
+    return path
+
+
+def drop_scratch(path: str) -> None:
+    with _LIVE_LOCK:
+        _SCRATCH.discard(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class Child(Generic[L]):
@@ -174,9 +193,10 @@ def running() -> list[str]:
 
 def kill_all(timeout_s: float = 5.0) -> None:
     """SIGKILL every child process still running, whichever supervisor runs it, and wait (up to
-    `timeout_s` in all) for each to end; from then on no child starts (a supervisor's restart
-    fails). The server's last act when it must exit now (its exit timeout expired with work still
-    running), so that no child outlives it even for the moment PR_SET_PDEATHSIG would take. Any thread."""
+    `timeout_s` in all) for each to end, then remove the owners' scratch folders; from then on no
+    child starts (a supervisor's restart fails). The server's last act when it must exit now (its
+    exit timeout expired with work still running), so that no child outlives it even for the
+    moment PR_SET_PDEATHSIG would take, and no socket folder is left. Any thread."""
     global _ENDING
     with _LIVE_LOCK:
         _ENDING = True
@@ -193,6 +213,10 @@ def kill_all(timeout_s: float = 5.0) -> None:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused; a D-state child
             pass
+    with _LIVE_LOCK:
+        folders = list(_SCRATCH)
+    for folder in folders:
+        drop_scratch(folder)
 
 
 def spawn(launch: Launch, link: L, generation: int = 1, name: str = "") -> Child[L]:

@@ -2,7 +2,8 @@
 stub, or in the server's own process) or a decoupled stream left open cannot hold the exit. At the
 timeout the server exits with status 1 (as Triton: "Exit timeout expired. Exiting immediately.")
 after a log line naming what still ran, and leaves no child process behind (stubs, frontend
-processes: every child of pier.ipc's supervisors is killed and reaped first)."""
+processes: every child of pier.ipc's supervisors is killed and reaped first) and no socket folder
+(the server's TMPDIR stays empty)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,17 @@ TIMEOUT_S = 3.0
 SLACK_S = 5.0  # two shared cores: the kill, the reaping and the log flush after the deadline
 
 
+def _private_tmp(tmp_path: Path) -> dict[str, str]:
+    """The server's own TMPDIR (its scratch folders: the frontends' sockets, the LLM core's)."""
+    (tmp_path / "tmp").mkdir()
+    return {"TMPDIR": str(tmp_path / "tmp")}
+
+
 def _server(tmp_path: Path, extra: str = "") -> PierProcess:
     repo = tmp_path / "repo"
     write_sleep_models(repo, extra)
-    return start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log")
+    return start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log",
+                      env=_private_tmp(tmp_path))
 
 
 def _exits_at_the_timeout(server: PierProcess, what: str) -> None:
@@ -45,6 +53,7 @@ def _exits_at_the_timeout(server: PierProcess, what: str) -> None:
     assert took >= TIMEOUT_S - 0.2, (took, log)
     assert "exit timeout: 3 s after the signal, 1 request still running: " + what in log, log
     assert not alive(children), (alive(children), log)
+    assert not list((server.log_path.parent / "tmp").iterdir()), "scratch folders left behind"
 
 
 @pytest.mark.parametrize("mode", ["process", "in_process"])
@@ -95,7 +104,8 @@ def test_a_client_that_never_reads_cannot_hold_the_exit(tmp_path: Path) -> None:
     build_model(repo / "tiny_llama" / "1", "llama", max_position_embeddings=4096)
     (repo / "tiny_llama" / "config.pbtxt").write_text(
         'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
-    server = start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log", timeout=120)
+    server = start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log", timeout=120,
+                        env=_private_tmp(tmp_path))
     # about 10 MB of events (two choices, five alternatives per token): more than the socket buffers hold
     body = json.dumps({"model": "tiny_llama", "prompt": "never read", "max_tokens": 4000, "temperature": 1, "seed": 0,
                        "stream": True, "ignore_eos": True, "n": 2, "logprobs": 5}).encode()
