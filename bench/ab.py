@@ -4,7 +4,8 @@ on the same machine at the same time, rounds interleaved so that the machine's d
     .venv/bin/python -m bench.ab                        # old = a9568b8, 3 rounds, full windows
     .venv/bin/python -m bench.ab --old REV --rounds 5
     .venv/bin/python -m bench.ab --quick                # 1 round, short windows: a smoke run
-    .venv/bin/python -m bench.ab --only identity        # or llm; comma-separated
+    .venv/bin/python -m bench.ab --only identity        # or llm, sequence; comma-separated
+    .venv/bin/python -m bench.ab --only sequence --out sequence_ab   # results under another name
 
 The old revision is checked out with `git worktree add --detach` in a temporary folder and served
 from there as `python -m server serve` (cwd and PYTHONPATH = that folder: before the restructuring
@@ -14,6 +15,10 @@ for the whole of their benchmark:
 
 - identity: perf_analyzer on `identity_fp32` (batch 1, INPUT0 [16] FP32) over HTTP and gRPC at
   concurrency 1 and 8, with bench/identity.py's windows (bench.common.Settings, quick or full);
+- sequence: perf_analyzer on the example's stateful `accumulate` (sequence batcher, direct strategy,
+  implicit state; perf_analyzer sends sequences of 20 requests, each concurrent client its own
+  sequence) over gRPC: one instance at concurrency 1 and 8, and a copy with two instances at 8
+  (where a sequence stays on its instance since issue 31);
 - llm: bench/llm_openai_bench.py's OpenAI-API workload (the random ~27 M-parameter Llama of
   bench/llm_bench.py, greedy, ignore_eos, 32 concurrent streams, usage included): output tokens/s and
   time to first token p50; 64 requests per round (32 with --quick), round r uses workload seed r
@@ -22,7 +27,7 @@ for the whole of their benchmark:
 Every point is measured once per side per round, in ABBA order (round 1 old then new, round 2 new
 then old, ...). The per-round ratio is new / old; the report gives its median and min-max, each
 side's median throughput and p50 latency, and every round's ratio. Writes
-bench/results/refactor_ab[-quick].{md,json,png}. Servers are stopped and the worktree removed on
+bench/results/refactor_ab[-quick].{md,json,png} (or `--out NAME`). Servers are stopped and the worktree removed on
 errors, Ctrl-C and SIGTERM too. Exit status 1 when a benchmark could not run.
 """
 
@@ -51,9 +56,10 @@ from bench.servers import Server, Servers, measure, ready_or_stopped, start_pier
 from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
 
 DEFAULT_OLD = "a9568b8"
-BENCHMARKS = ("identity", "llm")
+BENCHMARKS = ("identity", "sequence", "llm")
 IDENTITY_MODEL = "identity_fp32"
 IDENTITY_POINTS = [("http", 1), ("http", 8), ("grpc", 1), ("grpc", 8)]
+SEQUENCE_POINTS = [("accumulate", 1), ("accumulate", 8), ("accumulate_2", 8)]  # model (2: two instances), concurrency
 LLM_STREAMS = 32  # bench/llm_openai_bench.py's stream count
 LLM_REQUESTS, LLM_REQUESTS_QUICK = 64, 32
 LLM_START_TIMEOUT = 300  # model load (+ the kernels' first build on a fresh machine)
@@ -133,33 +139,68 @@ class Run:
             log(f"round {rnd + 1} {name}: new/old {point.ratios()[-1]:.3f}")
 
 
-def run_identity(run: Run) -> None:
-    settings = run.settings
+@dataclass(frozen=True)
+class PAPoint:
+    """One perf_analyzer point: the model, protocol, concurrency and data arguments."""
+
+    model: str
+    proto: str
+    concurrency: int
+    data: tuple[str, ...]
+
+
+def run_perf_analyzer(run: Run, bench: str, fill: Callable[[Path], None], points: dict[PAPoint, str]) -> None:
+    """Both sides serve a copy of the repository `fill` writes; each point (-> its label) is measured
+    with perf_analyzer once per side per round."""
     pa = perf_analyzer()
     if pa is None:
-        run.notes.append(f"identity skipped: {PERF_ANALYZER_MISSING}")
+        run.notes.append(f"{bench} skipped: {PERF_ANALYZER_MISSING}")
         log(run.notes[-1])
         return
+    settings = run.settings
     repos = {}
     for side in ("old", "new"):  # a private copy each (same files)
-        repos[side] = run.tmp / f"identity_{side}"
-        shutil.copytree(ROOT / "model_repository" / IDENTITY_MODEL, repos[side] / IDENTITY_MODEL)
-    points = {(proto, c): ABPoint("identity", f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}", "infer/s",
-                                  "p50 ms") for proto, c in IDENTITY_POINTS}
-    run.points += points.values()
+        repos[side] = run.tmp / f"{bench}_{side}"
+        fill(repos[side])
+    measured = {pt: ABPoint(bench, label, "infer/s", "p50 ms") for pt, label in points.items()}
+    run.points += measured.values()
 
-    def one(srv: Server, label: str, proto: str, c: int) -> dict:
-        pt = perf_analyzer_point(pa, settings, IDENTITY_MODEL, srv.http if proto == "http" else srv.grpc, proto, c,
-                                 ["--shape", "INPUT0:16"], label)
+    def one(srv: Server, label: str, p: PAPoint) -> dict:
+        pt = perf_analyzer_point(pa, settings, p.model, srv.http if p.proto == "http" else srv.grpc, p.proto,
+                                 p.concurrency, list(p.data), label)
         log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms{'' if pt.stable else ' (unstable)'}")
         return {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
 
     with Servers() as servers:
-        up = run.pair(servers, "identity", lambda: start_old("ab_old_identity", run.tree, repos["old"]),
-                      lambda: start_pier("ab_new_identity", repos["new"]))
+        up = run.pair(servers, bench, lambda: start_old(f"ab_old_{bench}", run.tree, repos["old"]),
+                      lambda: start_pier(f"ab_new_{bench}", repos["new"]))
         for rnd in range(settings.rounds):
-            for (proto, c), point in points.items():
-                run.measure_round(point, rnd, up, point.label, lambda s, lb, p=proto, c=c: one(s, lb, p, c))
+            for p, point in measured.items():
+                run.measure_round(point, rnd, up, point.label, lambda s, lb, p=p: one(s, lb, p))
+
+
+def run_identity(run: Run) -> None:
+    def fill(repo: Path) -> None:
+        shutil.copytree(ROOT / "model_repository" / IDENTITY_MODEL, repo / IDENTITY_MODEL)
+
+    run_perf_analyzer(run, "identity", fill, {
+        PAPoint(IDENTITY_MODEL, proto, c, ("--shape", "INPUT0:16")): f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}"
+        for proto, c in IDENTITY_POINTS})
+
+
+def run_sequence(run: Run) -> None:
+    def fill(repo: Path) -> None:
+        shutil.copytree(ROOT / "model_repository" / "accumulate", repo / "accumulate")
+        two = repo / "accumulate_2"
+        shutil.copytree(ROOT / "model_repository" / "accumulate", two)
+        config = (two / "config.pbtxt").read_text()
+        changed = config.replace('name: "accumulate"', 'name: "accumulate_2"').replace("count: 1", "count: 2")
+        if changed.count("accumulate_2") != 1 or "count: 2" not in changed:
+            raise RuntimeError("model_repository/accumulate/config.pbtxt: cannot make its two-instance copy")
+        (two / "config.pbtxt").write_text(changed)
+
+    run_perf_analyzer(run, "sequence", fill, {PAPoint(m, "grpc", c, ("--shape", "INPUT:1")): f"gRPC {m} c={c}"
+                                              for m, c in SEQUENCE_POINTS})
 
 
 def run_llm(run: Run) -> None:
@@ -263,8 +304,9 @@ def _rounds_cell(p: ABPoint) -> str:
     return " / ".join(cells)
 
 
-def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc: str, durations: dict) -> Path:
-    md, png, raw = report.result_files("refactor_ab", run.settings.quick)
+def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc: str, durations: dict,
+                 name: str = "refactor_ab") -> Path:
+    md, png, raw = report.result_files(name, run.settings.quick)
     title = f"Refactor A/B: old {old_rev} vs new {new_desc}"
     has_png = _plot(png, title, run.points)
     lines = [f"# {title}", "",
@@ -284,6 +326,8 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
     if "llm_workload" in run.info:
         lines += [f"- LLM workload (bench/llm_openai_bench.py's): {run.info['llm_workload']}", ""]
     for bench, title_g in (("identity", "identity_fp32: perf_analyzer, batch 1, INPUT0 [16] FP32 (sync)"),
+                           ("sequence", "accumulate (sequence batcher, direct, implicit state): perf_analyzer "
+                                        "sequences of 20 requests over gRPC, one per concurrent client"),
                            ("llm", "LLM through the OpenAI API (tiny random Llama, CPU)")):
         pts = [p for p in run.points if p.bench == bench]
         if not pts:
@@ -305,8 +349,10 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
         lines.append("")
     if run.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in run.notes], ""]
+    only = sorted({p.bench for p in run.points})
     lines += [f"Run with `python -m bench.ab --old {old_rev} --rounds {run.settings.rounds}"
-              f"{' --quick' if run.settings.quick else ''}`. Server logs: bench/.cache/logs/ab_*.log.", ""]
+              f"{' --quick' if run.settings.quick else ''} --only {','.join(only)}"
+              f"{'' if name == 'refactor_ab' else ' --out ' + name}`. Server logs: bench/.cache/logs/ab_*.log.", ""]
     if has_png:
         lines += [f"![{title}]({png.name})", ""]
     md.write_text("\n".join(lines))
@@ -332,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="short perf_analyzer windows, fewer LLM requests, 1 round")
     p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
+    p.add_argument("--out", default="refactor_ab", help="the results' name: bench/results/NAME.{md,json,png}")
     args = p.parse_args(argv)
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = [b for b in chosen if b not in BENCHMARKS]
@@ -342,10 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM -> KeyboardInterrupt for the whole run, so the finally blocks stop the servers and
     # remove the worktree (bench.servers.Servers does the same while servers are up).
     with sigterm_as_interrupt():
-        return _run(args.old, settings, chosen)
+        return _run(args.old, settings, chosen, args.out)
 
 
-def _run(old: str, settings: Settings, chosen: list[str]) -> int:
+def _run(old: str, settings: Settings, chosen: list[str], out: str = "refactor_ab") -> int:
     started = report.started_info()
     try:
         old_sha = git("rev-parse", "--short", f"{old}^{{commit}}")
@@ -361,7 +408,7 @@ def _run(old: str, settings: Settings, chosen: list[str]) -> int:
         with worktree(old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
             check_old_imports(tree)
             run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}")
-            for name, fn in (("identity", run_identity), ("llm", run_llm)):
+            for name, fn in (("identity", run_identity), ("sequence", run_sequence), ("llm", run_llm)):
                 if name not in chosen:
                     continue
                 log(f"=== {name} ===")
@@ -374,7 +421,7 @@ def _run(old: str, settings: Settings, chosen: list[str]) -> int:
                     run.notes.append(f"{name} failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
                 durations[name] = time.monotonic() - t0
                 log(f"=== {name} done in {durations[name]:.0f} s ===")
-        md = write_report(run, started, old, old_desc, new_desc, durations)
+        md = write_report(run, started, old, old_desc, new_desc, durations, out)
     except KeyboardInterrupt:
         log("interrupted: servers stopped, worktree removed")
         return 130
