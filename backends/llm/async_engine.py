@@ -20,9 +20,11 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from pier.contract.backend import LoadProgress
 
 from .core_messages import Abort, Add, EngineFacts
 from .engine import EngineStats, LLMEngine, RequestOutput
@@ -187,9 +189,10 @@ class AsyncLLMEngine(EngineClient):
         self._thread.start()
 
     @classmethod
-    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str], **overrides: object
+    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str],
+                        progress: Callable[[LoadProgress], None] | None = None, **overrides: object
                         ) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_parameters(model_dir, parameters, **overrides))
+        return cls(LLMEngine.from_parameters(model_dir, parameters, progress, **overrides))
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -27,7 +27,7 @@ import numpy as np
 from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
 from pier.backends.llm.metrics import LLMMetrics
 from pier.contract import llm
-from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance
+from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
 from pier.contract.llm import INPUTS, OUTPUTS
 from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs, Tensor
@@ -143,13 +143,16 @@ class LLMInstance(ModelInstance):
         try:
             in_process = EngineConfig.from_parameters(params, **overrides).parallel.engine_core == "thread"
             self.engine: EngineClient
+            def on_progress(progress: LoadProgress) -> None:
+                ctx.report_progress(where.name, progress)
+
             if in_process:
-                self.engine = AsyncLLMEngine.from_parameters(folder, params, **overrides)
+                self.engine = AsyncLLMEngine.from_parameters(folder, params, on_progress, **overrides)
             else:
                 def on_health(reason: str | None) -> None:
                     ctx.report_health(where.name, reason)
 
-                self.engine = EngineCoreClient.from_parameters(folder, params, on_health, **overrides)
+                self.engine = EngineCoreClient.from_parameters(folder, params, on_health, on_progress, **overrides)
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
             raise unavailable(f"cannot load the LLM in {folder}: {exc}") from None
         self.tokenizer = self.engine.tokenizer

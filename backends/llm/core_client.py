@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pier.contract.backend import LoadProgress
 from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy, drop_scratch, scratch_folder
 from pier.ipc.messages import BadMessage, encode
 from pier.ipc.supervisor import Readers, Supervisor
@@ -69,11 +70,13 @@ class EngineCoreClient(EngineClient):
     """The engine in a child process; same API as AsyncLLMEngine."""
 
     def __init__(self, model_dir: str | Path, parameters: Mapping[str, str], overrides: Mapping[str, Any],
-                 on_health: Callable[[str | None], None] | None = None) -> None:
+                 on_health: Callable[[str | None], None] | None = None,
+                 on_progress: Callable[[LoadProgress], None] | None = None) -> None:
         config = EngineConfig.from_parameters(parameters, **overrides)  # bad values fail here, at once
         folder = Path(config.model.model_path or model_dir)
         self._init = cm.Init(str(model_dir), dict(parameters), dict(overrides))
         self._on_health = on_health or (lambda reason: None)
+        self._on_progress = on_progress or (lambda progress: None)  # the core's load, as it reports it
         self._zmq = zmq.Context()
         self._dir = scratch_folder("pier-llm-core-")
         self._send_lock = threading.Lock()
@@ -96,9 +99,10 @@ class EngineCoreClient(EngineClient):
 
     @classmethod
     def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str],
-                        on_health: Callable[[str | None], None] | None = None, **overrides: object
+                        on_health: Callable[[str | None], None] | None = None,
+                        on_progress: Callable[[LoadProgress], None] | None = None, **overrides: object
                         ) -> EngineCoreClient:
-        return cls(model_dir, parameters, overrides, on_health)
+        return cls(model_dir, parameters, overrides, on_health, on_progress)
 
     @property
     def pid(self) -> int:
@@ -151,7 +155,9 @@ class EngineCoreClient(EngineClient):
 
         def answer() -> bool:
             for event in self._events(core, lambda exc, data: child.refuse(RuntimeError(str(exc)))):
-                if isinstance(event, cm.Ready):
+                if isinstance(event, cm.Progress):
+                    self._on_progress(event.progress)
+                elif isinstance(event, cm.Ready):
                     core.ready = event
                     child.ready()
                 elif isinstance(event, cm.LoadFailed):

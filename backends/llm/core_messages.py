@@ -3,8 +3,9 @@
 (pier.ipc.messages), each one ZeroMQ frame.
 
     server -> core   Init (once), then Add, Abort, and Stop         (Command)
-    core -> server   Ready | LoadFailed (to Init), then per step Outputs (the step's RequestOutputs
-                     and the engine's stats), and Refused for a request the engine would not take  (Event)
+    core -> server   Progress while it loads, Ready | LoadFailed (to Init), then per step Outputs (the
+                     step's RequestOutputs and the engine's stats), and Refused for a request the
+                     engine would not take  (Event)
 
 The first field of a message about one request is its id, so one that does not decode fails that
 request alone (pier.ipc.messages.BadMessage.ref). SamplingParams, RequestOutput, EngineStats and
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pier.contract.backend import LoadProgress
 from pier.ipc.messages import Codec, Message
 
 from .outputs import EngineStats, RequestOutput
@@ -64,6 +66,12 @@ class Stop(Message):
     pass
 
 
+class Progress(Message):
+    """How far the load has come (weights shard by shard): the model's reason while it loads."""
+
+    progress: LoadProgress
+
+
 class Ready(Message):
     facts: EngineFacts
     stats: EngineStats
@@ -85,7 +93,7 @@ class Refused(Message):
 
 
 Command = Init | Add | Abort | Stop
-Event = Ready | LoadFailed | Outputs | Refused
+Event = Progress | Ready | LoadFailed | Outputs | Refused
 
 COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
 EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")

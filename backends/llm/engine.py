@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pier.contract.backend import LoadProgress
 
 from . import kernels
 from .config import EngineConfig, ParallelConfig
@@ -63,7 +65,9 @@ def _device(cfg: ParallelConfig) -> torch.device:
 class LLMEngine:
     """The synchronous engine. Not thread-safe: call it from one thread."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 progress: Callable[[LoadProgress], None] | None = None) -> None:
+        """`progress` hears how the load goes (weights shard by shard, the kernels' build)."""
         self.config = config or EngineConfig()
         cfg = self.config
         model, cache, sched, par = cfg.model, cfg.cache, cfg.scheduler, cfg.parallel
@@ -78,7 +82,7 @@ class LLMEngine:
         if par.num_threads is not None:
             torch.set_num_threads(par.num_threads)
         self.model = registry.load_model(folder, model_cls, mc, DTYPES[model.dtype], self.device,
-                                         self.max_model_len + 1)
+                                         self.max_model_len + 1, progress)
         per_block = kv_bytes_per_block(self.model, cache.block_size)
         num_blocks = self._kv_budget() // per_block
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -87,6 +91,8 @@ class LLMEngine:
         ops = None
         if (model.attention == "auto" and self.device.type == "cpu" and model.dtype == "float32"
                 and cache.block_size <= 64 and mc.head_dim % 4 == 0):
+            if progress is not None:
+                progress(LoadProgress("building the CPU kernels (compiled once, then cached)"))
             ops = kernels.load()
         if ops is not None:
             self.model.use_kernels(ops)
@@ -106,9 +112,10 @@ class LLMEngine:
         self._peak_blocks = 0
 
     @classmethod
-    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str], **overrides: object) -> LLMEngine:
+    def from_parameters(cls, model_dir: str | Path, parameters: Mapping[str, str],
+                        progress: Callable[[LoadProgress], None] | None = None, **overrides: object) -> LLMEngine:
         """Build from a model config's `parameters` map (strings). Raises ValueError on bad values."""
-        return cls(model_dir, EngineConfig.from_parameters(parameters, **overrides))
+        return cls(model_dir, EngineConfig.from_parameters(parameters, **overrides), progress)
 
     def _kv_budget(self) -> int:
         cfg = self.config.cache

@@ -24,7 +24,7 @@ import zmq
 from pier.ipc.messages import BadMessage, encode
 from pier.ipc.processes import die_with_parent
 
-from .core_messages import COMMANDS, Abort, Add, EngineFacts, Init, LoadFailed, Outputs, Ready, Refused, Stop
+from .core_messages import COMMANDS, Abort, Add, EngineFacts, Init, LoadFailed, Outputs, Progress, Ready, Refused, Stop
 from .outputs import EngineStats, RequestOutput
 
 
@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
             raise BadMessage(COMMANDS.protocol, type(init).__name__, None, "expected Init first")
         from .engine import LLMEngine
 
-        engine = LLMEngine.from_parameters(init.model_dir, init.parameters, **init.overrides)
+        engine = LLMEngine.from_parameters(init.model_dir, init.parameters,
+                                           lambda p: outputs.send(encode(Progress(p))), **init.overrides)
         facts = EngineFacts.of(engine)
     except Exception as e:  # noqa: BLE001 - the server reports it as the load's failure
         outputs.send(encode(LoadFailed(type(e).__name__, str(e))))

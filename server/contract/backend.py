@@ -82,6 +82,33 @@ def _no_health_sink(instance: str, reason: str | None) -> None:
 
 
 @dataclass(frozen=True)
+class LoadProgress:
+    """How far a long step of a load has come, so that "loading 7/12 shards" tells apart from
+    "stuck": `stage` says what is being done ("loading weights"), `done` of `total` parts (shards;
+    total 0: a step that is not counted), `bytes_done` of `bytes_total` (0: not counted)."""
+
+    stage: str
+    done: int = 0
+    total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    unit: str = "shards"
+
+    def __str__(self) -> str:
+        parts = [f"{self.done}/{self.total} {self.unit}"] if self.total else []
+        if self.bytes_total:
+            unit, size = next(((u, z) for u, z in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10))
+                               if self.bytes_total >= z), ("B", 1))
+            digits = 1 if size > 1 else 0
+            parts.append(f"{self.bytes_done / size:.{digits}f}/{self.bytes_total / size:.{digits}f} {unit}")
+        return self.stage + (": " + ", ".join(parts) if parts else "")
+
+
+def _no_progress_sink(instance: str, progress: LoadProgress) -> None:
+    """Where load progress goes when nobody listens (a backend used outside the server)."""
+
+
+@dataclass(frozen=True)
 class ModelContext:
     """What a backend knows about the model version it serves.
 
@@ -90,7 +117,12 @@ class ModelContext:
     after it restarted its process). Callable from any thread. When every instance of the version
     is unhealthy the version is UNAVAILABLE with that reason (the repository index shows it,
     strict readiness fails, requests get Triton's "no available versions"); one report of None
-    brings it back to READY. A reload replaces the version whatever its instances said."""
+    brings it back to READY. A reload replaces the version whatever its instances said.
+
+    `report_progress(instance, progress)`: how far a long load has come (weights loading shard by
+    shard); callable from any thread, as often as it likes (the server keeps the latest). While the
+    version is LOADING its reason says it (the repository index, model ready, the status page), and
+    the server shows it on its terminal (a bar) or log (a line per shard)."""
 
     spec: ModelSpec
     version: int
@@ -99,6 +131,7 @@ class ModelContext:
     config_json: str = "{}"  # the completed model configuration, as Triton's JSON
     services: ServerServices | None = None
     report_health: Callable[[str, str | None], None] = _no_health_sink
+    report_progress: Callable[[str, LoadProgress], None] = _no_progress_sink
 
     @property
     def model_path(self) -> Path:

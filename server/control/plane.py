@@ -94,6 +94,15 @@ class ControlPlane:
         self._require(("explicit", "poll"))
         await _to_the_end(self._manager.unload_version(_check_name(name), _version(version)))
 
+    def version_state(self, name: str, version: str = "") -> tuple[str, str] | None:
+        """(state, reason) of a model's version (unversioned: its newest), None when unknown: what
+        model ready adds to its "not ready" (a load's progress, a failure)."""
+        record = self._manager.lifecycle.get(name)
+        if record is None or not record.versions or (version and not version.isdigit()):
+            return None
+        vr = record.versions.get(int(version) if version else max(record.versions))
+        return None if vr is None else (vr.state.value, vr.reason)
+
     def rollout(self, name: str, weights: dict[str, Any] | None = None, version: str | None = None) -> dict[str, Any]:
         """All traffic to `version`, or split by `weights` ({version: weight}); {} = newest READY."""
         _check_name(name)

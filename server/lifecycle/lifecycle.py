@@ -18,13 +18,14 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from pier.contract.backend import ServerServices
+from pier.contract.backend import LoadProgress, ServerServices
 from pier.contract.errors import PierError, invalid_arg, not_found
 from pier.contract.types import ModelSpec
 from pier.lifecycle.loaded_model import LoadedModel, build_loaded_model, create_instances, instance_contexts
 from pier.lifecycle.routing import Route, RoutingTable
 from pier.lifecycle.state import ModelState
 from pier.lifecycle.warmup import record_warmup, warm_up
+from pier.observability.progress import LoadProgressView
 from pier.observability.statistics import ModelStatistics
 from pier.protocol import model_config_pb2 as mc
 from pier.repository import backend_registry, source
@@ -77,6 +78,7 @@ class ModelLifecycle:
         self._load_slots = asyncio.Semaphore(max(load_concurrency, 1))
         self._gpus = gpu_count()
         self._retiring: set[asyncio.Task[Any]] = set()
+        self._progress = LoadProgressView()
 
     def model(self, name: str) -> ModelVersions:
         record = self._models.get(name)
@@ -111,6 +113,8 @@ class ModelLifecycle:
                 vr.state, vr.reason = ModelState.LOADING, ""
         self.publish(record)
         results = await asyncio.gather(*(self._load_version(record.name, disk, v) for v in targets))
+        for v in targets:
+            self._progress.finish(_load_label(record.name, v))
         loaded = {v: r for v, r in zip(targets, results) if isinstance(r, LoadedModel)}
         failed = {v: r for v, r in zip(targets, results) if isinstance(r, str)}
         if failed:
@@ -217,7 +221,7 @@ class ModelLifecycle:
                 backend = backend_registry.get_backend(disk.entry)
                 instances = await loop.run_in_executor(
                     None, create_instances, backend, disk.spec, disk.config, version, disk.path, self._gpus,
-                    self._services, health.report)
+                    self._services, health.report, health.progress)
             except PierError as exc:
                 return exc.message
             except Exception as exc:  # a backend failing to load must not take the server down
@@ -302,6 +306,16 @@ class ModelLifecycle:
         else:
             return
         self.publish(record)
+
+    def load_progress(self, key: str, version: int, progress: LoadProgress) -> None:
+        """On the event loop: a version being loaded has come this far. While it is LOADING its
+        reason says so (the index, model ready, the status page); the terminal or log shows it."""
+        record = self._models.get(key)
+        vr = record.versions.get(version) if record is not None else None
+        if vr is None or vr.state is not ModelState.LOADING:
+            return  # a reload beside a READY version keeps its reason; a restart's reload is the health's
+        vr.reason = str(progress)
+        self._progress.update(_load_label(key, version), progress)
 
     # ---- routing -------------------------------------------------------------------------
 
@@ -390,9 +404,14 @@ def _healthy(record: ModelVersions) -> bool:
     return not any(vr.state is ModelState.UNAVAILABLE and vr.reason != UNLOADED for vr in record.versions.values())
 
 
+def _load_label(key: str, version: int) -> str:
+    return f"'{source.model_name(key)}' version {version}"
+
+
 class _HealthBoard:
     """One load's instance health reports (ModelContext.report_health), from any thread, applied
-    to the life cycle on the event loop once the load is built."""
+    to the life cycle on the event loop once the load is built; and its progress reports
+    (ModelContext.report_progress), applied at once."""
 
     def __init__(self, lifecycle: ModelLifecycle, key: str, version: int, loop: asyncio.AbstractEventLoop) -> None:
         self._lifecycle, self._key, self._version, self._loop = lifecycle, key, version, loop
@@ -403,6 +422,12 @@ class _HealthBoard:
         try:
             self._loop.call_soon_threadsafe(self._apply, instance, reason)
         except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def progress(self, instance: str, progress: LoadProgress) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._lifecycle.load_progress, self._key, self._version, progress)
+        except RuntimeError:
             pass
 
     def _apply(self, instance: str, reason: str | None) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pier.contract.backend import Backend, InstanceContext, ModelContext, ModelInstance, ServerServices
+from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance, ServerServices
 from pier.contract.errors import unavailable
 from pier.contract.types import ModelSpec
 from pier.observability.statistics import ModelStatistics
@@ -76,13 +76,16 @@ def instance_contexts(spec: ModelSpec, gpu_count: int) -> list[InstanceContext]:
 
 def create_instances(backend: Backend, spec: ModelSpec, config: mc.ModelConfig, version: int, model_dir: Path,
                      gpu_count: int, services: ServerServices | None = None,
-                     report_health: Callable[[str, str | None], None] | None = None) -> list[ModelInstance]:
+                     report_health: Callable[[str, str | None], None] | None = None,
+                     report_progress: Callable[[str, LoadProgress], None] | None = None) -> list[ModelInstance]:
     """Blocking: a backend instance per `instance_contexts`. The backend sees the completed config
     as Triton's JSON, as Triton's backend API gives it."""
     ctx = ModelContext(spec=spec, version=version, model_dir=model_dir, version_dir=model_dir / str(version),
                        config_json=json.dumps(config_to_json(config)), services=services)
     if report_health is not None:
         ctx = dataclasses.replace(ctx, report_health=report_health)
+    if report_progress is not None:
+        ctx = dataclasses.replace(ctx, report_progress=report_progress)
     instances: list[ModelInstance] = []
     try:
         for where in instance_contexts(spec, gpu_count):

@@ -4,12 +4,15 @@ answers tritonclient; the completed config is logged; a GGUF file is refused wit
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 
 from scripts.build_example_models import identity_model
 from tests.conftest import ROOT, numpy_inputs, start_pier
@@ -43,7 +46,7 @@ def test_a_hugging_face_folder_answers_openai_under_its_name(tmp_path: Path) -> 
 def test_served_model_name_names_it(tmp_path: Path) -> None:
     from tests.backends.llm.tiny_model import build_model
 
-    folder = build_model(tmp_path / "weights", "qwen2")
+    folder = build_model(tmp_path / "weights", "qwen2", shard_size="100KB")
     server = start_pier([], str(folder), "--served-model-name=assistant", log_path=tmp_path / "pier.log",
                         timeout=120)
     try:
@@ -52,6 +55,30 @@ def test_served_model_name_names_it(tmp_path: Path) -> None:
         chat = client.chat.completions.create(model="assistant", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=4, temperature=0)
         assert chat.model == "assistant" and chat.usage.completion_tokens >= 1
+        # Its load, shard by shard, one log line each (the log is no terminal): issue 32, part 5.
+        shards = len(list(folder.glob("*.safetensors")))
+        lines = re.findall(r"'assistant' version 1: loading weights: (\d+)/(\d+) shards", server.log())
+        assert shards >= 3 and lines == [(str(i), str(shards)) for i in range(shards + 1)]
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.llm
+def test_model_ready_says_why_a_model_is_not(tmp_path: Path) -> None:
+    from tests.backends.llm.tiny_model import build_model
+
+    folder = build_model(tmp_path / "odd", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    server = start_pier([], str(folder), "--exit-on-error=false", "--strict-readiness=false",
+                        log_path=tmp_path / "pier.log")
+    try:
+        r = requests.get(f"{server.base()}/v2/models/odd/ready", timeout=5)
+        doc = r.json()
+        assert r.status_code == 400 and (doc["error"], doc["state"]) == ("Model version not ready", "UNAVAILABLE")
+        assert "unsupported architecture 'GPT2LMHeadModel'" in doc["reason"]
+        r = requests.get(f"{server.base()}/v2/models/other/ready", timeout=5)  # unknown: Triton's body
+        assert r.status_code == 400 and r.json() == {"error": "Model version not ready"}
     finally:
         assert server.stop() == 0, server.log()
 

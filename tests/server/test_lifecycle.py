@@ -9,17 +9,20 @@ again, and a report about a load that no longer serves changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, Tensor
 from pier.dataplane.plane import DataPlane
 from pier.lifecycle.lifecycle import ModelLifecycle, ModelVersions
 from pier.lifecycle.routing import RoutingTable
-from pier.repository import disk
+from pier.repository import backend_registry, disk
 from scripts.build_example_models import write_model
 from tests.model_builders import ADD_CONFIG, add_constant_model, slow_model
 
@@ -207,5 +210,52 @@ def test_instance_health_makes_a_version_unavailable_and_ready_again(tmp_path: P
         lc.health_changed("m", 1, model, {"m_0": "late", "m_1": "late"})  # ...so what the old one says is moot
         assert s.states("m") == {1: ("READY", "")} and await s.add() == 1.0
         await lc.drain()
+
+    asyncio.run(main())
+
+
+def test_a_load_says_how_far_it_has_come(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A backend's progress reports (ModelContext.report_progress, from its loading thread) are the
+    LOADING version's reason, step by step, and one log line each when stderr is no terminal; once
+    READY the reason is empty again and a late report changes nothing."""
+    real = backend_registry.get_backend
+    go = [threading.Event() for _ in range(3)]
+    said = [threading.Event() for _ in range(3)]
+
+    class Reporting(Backend):  # the ONNX backend, with a load that reports three steps
+        name, default_model_filename = "onnxruntime", "model.onnx"
+
+        def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
+            for i in range(3):
+                model.report_progress(instance.name, LoadProgress("loading weights", i, 2, 10 * i, 20))
+                said[i].set()
+                go[i].wait(30)
+            return real(backend_registry.lookup("onnxruntime_onnx", "")).create_instance(model, instance)
+
+    monkeypatch.setattr(backend_registry, "get_backend", lambda entry: Reporting())
+
+    async def main() -> None:
+        s = Served(tmp_path)
+        write_model(tmp_path, "m", ADD_CONFIG.format(name="m", policy="{ latest { num_versions: 1 } }"),
+                    add_constant_model(1))
+        loop = asyncio.get_running_loop()
+        caplog.set_level(logging.INFO, logger="pier.repository")
+        load = asyncio.ensure_future(s.apply("m"))
+        for i in range(3):
+            await loop.run_in_executor(None, said[i].wait, 30)
+            expected = ("LOADING", f"loading weights: {i}/2 shards, {10 * i}/20 B")
+            for _ in range(200):  # applied on the loop as soon as it runs the callback
+                if s.states("m")[1] == expected:
+                    break
+                await asyncio.sleep(0.01)
+            assert s.states("m")[1] == expected
+            go[i].set()
+        assert await load == "" and s.states("m") == {1: ("READY", "")}
+        s.lifecycle.load_progress("m", 1, LoadProgress("loading weights", 1, 2))  # late: moot once READY
+        assert s.states("m") == {1: ("READY", "")}
+        lines = [r.getMessage() for r in caplog.records if "loading weights" in r.getMessage()]
+        assert lines == [f"'m' version 1: loading weights: {i}/2 shards, {10 * i}/20 B" for i in range(3)]
+        await s.lifecycle.drain()
 
     asyncio.run(main())

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from pier.contract.backend import LoadProgress
+
+STAGE = "loading weights"
+PROGRESS_INTERVAL_S = 0.25  # within a shard, at most this often: a report may cross a process boundary
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -25,14 +31,31 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every weight file, loaded on CPU one at a time."""
+def iter_weights(folder: Path, progress: Callable[[LoadProgress], None] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every weight file, loaded on CPU one at a time.
+    `progress` hears how far it has come: at the start, after each shard, and within a shard
+    every PROGRESS_INTERVAL_S (the bytes of the tensors handed on so far)."""
     from safetensors import safe_open
 
-    for path in safetensors_files(folder):
+    files = safetensors_files(folder)
+    sizes = [f.stat().st_size for f in files]
+    total, done, last = sum(sizes), 0, time.monotonic()
+    if progress is not None:
+        progress(LoadProgress(STAGE, 0, len(files), 0, total))
+    for i, path in enumerate(files):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                done += tensor.nbytes
+                yield name, tensor
+                if progress is not None and time.monotonic() - last >= PROGRESS_INTERVAL_S:
+                    last = time.monotonic()
+                    progress(LoadProgress(STAGE, i, len(files), done, total))
+        done = sum(sizes[:i + 1])  # the header too: the last report of a shard counts the whole file
+        if progress is not None:
+            last = time.monotonic()
+            progress(LoadProgress(STAGE, i + 1, len(files), done, total))
 
 
 class WeightMap:

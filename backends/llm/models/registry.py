@@ -8,10 +8,13 @@ with a message listing those that are.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+
+from pier.contract.backend import LoadProgress
 
 from .hf_config import ArchConfig, read_config
 from .interface import CausalLM
@@ -52,8 +55,8 @@ def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
 
 
 def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> CausalLM:
-    """Build `cls` and load the folder's safetensors into it."""
+               max_positions: int, progress: Callable[[LoadProgress], None] | None = None) -> CausalLM:
+    """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights')."""
     model = cls(config, dtype, device, max_positions)
-    model.load_weights(iter_weights(folder))
+    model.load_weights(iter_weights(folder, progress))
     return model

@@ -70,7 +70,12 @@ class HttpHandlers:
             ok = False
         if ok:
             return web.Response(status=200, content_type="text/plain")
-        return web.Response(status=400, content_type="text/plain", text='{"error":"Model version not ready"}')
+        known = self.control.version_state(request.match_info["model"], _version(request))
+        if known is None:
+            return web.Response(status=400, content_type="text/plain", text='{"error":"Model version not ready"}')
+        # A version Pier knows: its state and reason too (LOADING, "loading weights: 7/12 shards, ...").
+        doc = {"error": "Model version not ready", "state": known[0], "reason": known[1]}
+        return web.Response(status=400, content_type="text/plain", body=orjson.dumps(doc))
 
     async def model_config(self, request: web.Request) -> web.Response:
         return _json(self.plane.model_config_json(request.match_info["model"], _version(request)))

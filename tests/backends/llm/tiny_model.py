@@ -36,8 +36,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}))
 
 
-def build_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: object) -> Path:
-    """Save a random tiny model + tokenizer to `folder` and return it."""
+def build_model(folder: Path, arch: str = "llama", seed: int = 0, shard_size: str | None = None,
+                **overrides: object) -> Path:
+    """Save a random tiny model + tokenizer to `folder` and return it (`shard_size`: save it in
+    shards of at most that size, e.g. "100KB", with model.safetensors.index.json)."""
     import torch
     import transformers
 
@@ -62,7 +64,7 @@ def build_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides: o
                 p.normal_(0, 0.15)
             elif "bias" in str(p):
                 p.normal_(0, 0.1)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": shard_size} if shard_size else {}))
     return folder
 
 
