@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -113,8 +112,19 @@ class GrammarCompiler:
         return llguidance.LLMatcher(self.tokenizer, spec.grammar())
 
 
+def _llg_torch() -> Any:
+    """llguidance's torch helpers, imported on the first structured request: the module applies
+    `torch.compile` at import, which pulls in torch._dynamo and inductor (about 3 s of CPU, 6 s on
+    2 busy cores) that every LLM engine core start, and so every restart after a crash, would
+    otherwise pay for a feature most requests never use."""
+    import llguidance.torch as llg_torch
+
+    return llg_torch
+
+
 def grammar_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     """The tokens each matcher allows now, one bitmask row per matcher ([len, ceil(vocab / 32)] int32)."""
+    llg_torch = _llg_torch()
     bitmask = llg_torch.allocate_token_bitmask(len(matchers), vocab_size)
     for j, matcher in enumerate(matchers):
         llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
@@ -126,7 +136,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, 
     allowed token (its grammar is done and min_tokens hides EOS, say) keeps EOS, so it ends."""
     index = torch.tensor(rows, device=logits.device)
     sub = logits[index]
-    llg_torch.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
+    _llg_torch().apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
     if eos_id is not None:
         dead = ~torch.isfinite(sub).any(dim=-1)
         if bool(dead.any()):

@@ -124,3 +124,17 @@ def test_bad_constraints_are_refused_up_front(engine, prompts, so, word):
 def test_structured_outputs_round_trip_through_from_json():
     p = SamplingParams.from_json({"structured_outputs": {"choice": ["a", "b"]}})
     assert p.structured_outputs == StructuredOutputs("choice", '["a", "b"]')
+
+
+def test_the_engine_core_starts_without_torch_compile() -> None:
+    """Importing the engine (what every engine core start and restart does) leaves torch._dynamo
+    and inductor out: llguidance's torch helpers, which apply torch.compile at import, come with the
+    first structured request. Importing them up front cost each core start about 3 s of CPU
+    (6 s on 2 busy cores), and so every restart after a crash."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pier.backends.llm.engine, pier.backends.llm.engine_core; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'llguidance.torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
