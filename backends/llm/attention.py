@@ -14,6 +14,11 @@ blocks into a reused workspace (one `index_select`, no allocation) and runs one 
 prefill chunk without a cached prefix attends over its own new K/V (causal), and one with a prefix
 (prefix cache hit, or a later chunk of a chunked prefill) gathers its blocks and uses a causal mask
 shifted by the prefix length.
+
+Two options of a layer's attention (`paged_attention`'s `window` and `softcap`): a sliding window
+(a query attends to the last `window` positions only, itself included, as transformers' masks) and
+Gemma 2's soft-capped scores (cap * tanh(s / cap) before the mask and the softmax; SDPA has no such
+step, so a capped layer's torch path computes the scores itself, as transformers' eager attention).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class DecodeGroup:
     num_blocks: int  # blocks per sequence after padding
     block_ids: torch.Tensor  # [num_seqs * num_blocks] long; padding rows point at block 0
     mask: torch.Tensor | None  # [num_seqs, 1, 1, num_blocks * block_size] bool, True = attend; None: all full
+    context_lens: torch.Tensor | None = None  # [num_seqs] long (a sliding window's mask starts from them)
 
 
 @dataclass
@@ -107,12 +113,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     workspace: Workspace,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention for a whole step. q: [N, heads, hd]; k, v: [N, kv_heads, hd] (new tokens only).
 
     Returns [N, heads * hd]. The caller has already stored k, v in the cache (`write_kv`, or the
     fused RoPE + write op), so a sequence may read blocks another sequence of the same step
-    writes (a prefix-cache hit on blocks computed this step).
+    writes (a prefix-cache hit on blocks computed this step). `window` > 0: each query sees the
+    last `window` positions only; `softcap` > 0: scores capped at +-softcap (tanh).
     """
     n, heads, hd = q.shape
     kvh = k.shape[1]
@@ -122,7 +131,10 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         o = torch.empty(d.num_seqs, heads * hd, dtype=q.dtype, device=q.device)
-        d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale)
+        if window or softcap:
+            d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale, softcap, window)
+        else:
+            d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale)
         outs.append(o)
     for g in meta.decode_groups:
         b, nb = g.num_seqs, g.num_blocks
@@ -132,16 +144,24 @@ def paged_attention(
         torch.index_select(v_cache, 1, g.block_ids, out=vb)
         keys = kb.view(kvh, b, nb * bs, hd).transpose(0, 1)
         values = vb.view(kvh, b, nb * bs, hd).transpose(0, 1)
+        mask = g.mask
+        if window:
+            assert g.context_lens is not None
+            cols = torch.arange(nb * bs, device=q.device).unsqueeze(0)
+            lens = g.context_lens.unsqueeze(1)
+            mask = ((cols < lens) & (cols >= lens - window)).view(b, 1, 1, -1)
         # One query token per sequence: the `group` query heads sharing a KV head become rows.
         qg = q[g.start : g.start + b].view(b, kvh, group, hd)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.mask, scale=scale)
+        o = attend(qg, keys, values, mask, scale, softcap)
         outs.append(o.reshape(b, heads * hd))
     for p in meta.prefills:
         qs = q[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+        mask = p.mask
+        if window:
+            mask = prefix_causal_mask(p.num_cached, p.num_tokens, q.device, window)
         if p.num_cached == 0:
             keys = k[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
             values = v[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
             assert p.block_ids is not None
             ctx = p.num_cached + p.num_tokens
@@ -154,15 +174,37 @@ def paged_attention(
                 kb = kb.transpose(2, 3)
             keys = kb.reshape(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
             values = vb.view(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=group > 1)
+        o = attend(qs, keys, values, mask, scale, softcap, causal=mask is None)
         outs.append(o.squeeze(0).transpose(0, 1).reshape(p.num_tokens, heads * hd))
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs, dim=0)
 
 
-def prefix_causal_mask(num_cached: int, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """[num_tokens, num_cached + num_tokens] bool: query i sees keys 0 .. num_cached + i."""
-    cols = torch.arange(num_cached + num_tokens, device=device)
-    rows = torch.arange(num_tokens, device=device) + num_cached
-    return cols.unsqueeze(0) <= rows.unsqueeze(1)
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0, causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale [capped], masked) v for q [B, H, L, hd], keys and values [B, KVH, S, hd]
+    (H a multiple of KVH); `mask` bool, True = attend, broadcast to [B, H, L, S]; `causal` when no mask."""
+    group = q.shape[1] // keys.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=group > 1)
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        mask = prefix_causal_mask(s.shape[-1] - s.shape[-2], s.shape[-2], q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def prefix_causal_mask(num_cached: int, num_tokens: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """[num_tokens, num_cached + num_tokens] bool: query i sees keys 0 .. num_cached + i (with a
+    `window`, only the last `window` of them)."""
+    cols = torch.arange(num_cached + num_tokens, device=device).unsqueeze(0)
+    rows = torch.arange(num_tokens, device=device).unsqueeze(1) + num_cached
+    if window:
+        return (cols <= rows) & (cols > rows - window)
+    return cols <= rows

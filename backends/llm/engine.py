@@ -76,8 +76,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer(folder)
         mc = self.model_config
         self.max_model_len = min(model.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
-            self.max_model_len = mc.sliding_window  # no sliding-window attention: stay inside the window
         self.device = _device(par)
         if par.num_threads is not None:
             torch.set_num_threads(par.num_threads)

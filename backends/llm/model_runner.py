@@ -205,7 +205,7 @@ class ModelRunner:
                 mask = None
             else:
                 mask = (torch.arange(nb * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(len(members), 1, 1, -1)
-            groups.append(DecodeGroup(i, len(members), nb, torch.tensor(block_ids, device=dev), mask))
+            groups.append(DecodeGroup(i, len(members), nb, torch.tensor(block_ids, device=dev), mask, ctx))
             i = j
         return groups
 

@@ -8,6 +8,12 @@
 // sums V, for the `group` query heads that share the KV head. Nothing is gathered or padded: a
 // task reads exactly its own blocks once for K and once for V.
 //
+// Two options of the attention itself: `softcap` > 0 caps each scaled score, cap * tanh(s / cap)
+// (Gemma 2), and `window` > 0 attends only to the last `window` tokens (sliding-window layers):
+// a task then starts at the block holding the window's first token, so blocks before it (which a
+// sliding-window layer may already have given back) are never read, and the window's first
+// block's earlier tokens are left out of the softmax.
+//
 // Vector width is chosen at load time (target_clones, see pier_vec.h).
 
 #include <ATen/Parallel.h>
@@ -16,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,9 +39,30 @@ struct Task {
   const float* k;       // this KV head's K: [num_blocks, head_dim, block_size] (block-transposed)
   const float* v;       // this KV head's V: [num_blocks, block_size, head_dim]
   const int32_t* table; // the sequence's block ids
-  int ctx;              // tokens to attend over
+  int ctx;              // tokens to attend over, from the table's first block
   float* out;           // first of the `group` output heads, head_dim apart
+  int masked;           // the first `masked` of those tokens are outside the window (< block_size)
+  float softcap;        // > 0: scores capped at +-softcap (tanh)
 };
+
+// With a window or a cap: cap the scores, push the tokens before the window far below the rest
+// (exp then clamps them to ~1e-38, and `unmask` zeroes them), and return the max of the others.
+inline float cap_and_mask(float* s, int ctx, const Task& task) {
+  float m = -3.0e38f;
+  for (int t = 0; t < ctx; ++t) {
+    if (t < task.masked) {
+      s[t] = -3.0e38f;
+      continue;
+    }
+    if (task.softcap > 0.0f) s[t] = task.softcap * std::tanh(s[t] / task.softcap);
+    m = s[t] > m ? s[t] : m;
+  }
+  return m;
+}
+
+inline void unmask(float* s, const Task& task) {
+  for (int t = 0; t < task.masked; ++t) s[t] = 0.0f;
+}
 
 constexpr int kMaxBlock = 64;
 constexpr int kMaxHead = 256;
@@ -81,7 +109,11 @@ __attribute__((always_inline)) inline void attend_impl(const Task& task, int gro
     // Softmax; the 1/sum is applied to the output at the end.
     float* s = scores + g * ctx;
     float m = s[0];
-    for (int t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    if (task.masked || task.softcap > 0.0f) {
+      m = cap_and_mask(s, ctx, task);
+    } else {
+      for (int t = 1; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < ctx; ++t) {
@@ -89,6 +121,7 @@ __attribute__((always_inline)) inline void attend_impl(const Task& task, int gro
       s[t] = e;
       sum += e;
     }
+    unmask(s, task);
     // Weighted sum of V into local accumulators (two, for even and odd tokens: two FMA chains).
     float a0[HD ? HD : kMaxHead], a1[HD ? HD : kMaxHead];
 #pragma omp simd
@@ -163,8 +196,12 @@ __attribute__((always_inline)) inline void attend16_impl(const Task& task, int g
       }
     }
     float m = mx[0];
-    for (int j = 1; j < W; ++j) m = mx[j] > m ? mx[j] : m;
-    for (int t = (ctx / W) * W; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    if (task.masked || task.softcap > 0.0f) {
+      m = cap_and_mask(s, ctx, task);
+    } else {
+      for (int j = 1; j < W; ++j) m = mx[j] > m ? mx[j] : m;
+      for (int t = (ctx / W) * W; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+    }
     // Softmax numerators; 1/sum is applied to the output.
     v16 sums = {};
     int t = 0;
@@ -179,6 +216,7 @@ __attribute__((always_inline)) inline void attend16_impl(const Task& task, int g
       s[t] = exp_nonpos(s[t] - m);
       sum += s[t];
     }
+    unmask(s, task);
     // Weighted sum of V: head_dim / 16 accumulators, two sets (even and odd tokens).
     constexpr int kChunks = HD ? HD / 16 : kMaxHead / 16;
     const int chunks = hd / 16;
@@ -228,13 +266,20 @@ PIER_CLONES void attend_any(const Task& t, int group, int hd, int bs, float scal
   attend_impl<0, 0, 4>(t, group, hd, bs, scale, s);
 }
 
+// The first block a context of `ctx` tokens reads under `window` (0: none).
+int64_t first_block(int64_t ctx, int64_t window, int64_t bs) {
+  return window > 0 && ctx > window ? (ctx - window) / bs : 0;
+}
+
 // out [B, heads * head_dim] (written); q [B, heads, head_dim] (head_dim contiguous, any row and
 // head strides); k_cache [kv_heads, num_blocks, head_dim, block_size] and v_cache [kv_heads,
 // num_blocks, block_size, head_dim], contiguous;
-// block_tables [B, max_blocks] int32; context_lens [B] int32 (each >= 1).
+// block_tables [B, max_blocks] int32; context_lens [B] int32 (each >= 1); softcap > 0 caps the
+// scores; window > 0 attends to the last `window` tokens only (entries of a table before the
+// window's first block are never read).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, double softcap, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -259,6 +304,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
               "head_dim must be a multiple of 4 up to 256, and block_size at most 64");
   TORCH_CHECK(heads % kvh == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.size(0) == batch, "one block table per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must not be negative");
   TORCH_CHECK(out.is_contiguous() && out.numel() == batch * heads * hd, "out must be contiguous [B, heads*head_dim]");
   const int group = heads / kvh;
   const int64_t max_blocks = block_tables.size(1);
@@ -269,7 +315,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * bs, "context length out of range for its block table");
     max_ctx = std::max(max_ctx, static_cast<int>(lens[b]));
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+    for (int64_t i = first_block(lens[b], window, bs); i < (lens[b] + bs - 1) / bs; ++i) {
       const int32_t id = tables[b * max_blocks + i];
       TORCH_CHECK(id >= 0 && id < num_blocks, "block id out of range");
     }
@@ -281,6 +327,7 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t head_slice = num_blocks * bs * hd;
   const int64_t num_tasks = batch * kvh;
   const float fscale = static_cast<float>(scale);
+  const float fsoftcap = static_cast<float>(softcap);
   // Tasks are dealt round-robin, so threads share long and short sequences alike.
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   auto attend = hd % 16                    ? attend_any
@@ -295,9 +342,12 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
       for (int64_t i = tid; i < num_tasks; i += nthreads) {
         const int64_t b = i / kvh;
         const int h = static_cast<int>(i % kvh);
+        const int ctx = static_cast<int>(lens[b]);
+        const int skip = static_cast<int>(first_block(ctx, window, bs));  // blocks wholly before the window
+        const int first = window > 0 && ctx > window ? ctx - static_cast<int>(window) : 0;
         Task task{qp + b * q.stride(0) + static_cast<int64_t>(h) * group * q.stride(1), q.stride(1),
-                  kp + h * head_slice, vp + h * head_slice, tables + b * max_blocks, static_cast<int>(lens[b]),
-                  op + (b * heads + static_cast<int64_t>(h) * group) * hd};
+                  kp + h * head_slice, vp + h * head_slice, tables + b * max_blocks + skip, ctx - skip * bs,
+                  op + (b * heads + static_cast<int64_t>(h) * group) * hd, first - skip * bs, fsoftcap};
         attend(task, group, hd, bs, fscale, scores.data());
       }
     }
@@ -309,6 +359,6 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 TORCH_LIBRARY(pier_llm, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, float softcap=0., int window=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

@@ -13,19 +13,26 @@ from typing import Any
 import torch
 
 from ..attention import AttentionMetadata, Workspace, paged_attention, write_kv
+from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 
 class Attention:
-    """Heads, KV heads and head size of one layer; `scale` is the softmax scale (head_dim ** -0.5 by default)."""
+    """Heads, KV heads and head size of one layer; `scale` is the softmax scale (head_dim ** -0.5 by
+    default), `window` > 0 a sliding window, `softcap` > 0 Gemma 2's score cap (attention.py);
+    `qk_norm`, the per-head RMSNorms of q and of k before RoPE (Qwen3, Gemma 3), their weights in
+    the rotary pair layout as the q and k rows are."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
-                 workspace: Workspace, scale: float | None = None) -> None:
+                 workspace: Workspace, scale: float | None = None, window: int = 0, softcap: float = 0.0,
+                 qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.rope = rope
         self.workspace = workspace
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
+        self.qk_norm = qk_norm
         self.kernels: Any | None = None
 
     def use_kernels(self, ops: Any) -> None:
@@ -38,6 +45,10 @@ class Attention:
         n, hd, nh, nkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qs, kvs = self.q_size, self.kv_size
         v = qkv[:, qs + kvs :].view(n, nkv, hd)
+        if self.qk_norm is not None:
+            q_norm, k_norm = self.qk_norm
+            qkv[:, :qs] = q_norm(qkv[:, :qs].reshape(n * nh, hd)).view(n, qs)
+            qkv[:, qs : qs + kvs] = k_norm(qkv[:, qs : qs + kvs].reshape(n * nkv, hd)).view(n, kvs)
         if self.kernels is not None:  # rotates q and k inside qkv, then stores k and v
             assert self.rope.table is not None
             self.kernels.rope_write_kv(qkv, self.rope.table, positions, k_cache, v_cache, meta.slot_mapping, nh, nkv)
@@ -47,4 +58,4 @@ class Attention:
             qk = self.rope.rotate(qkv[:, : qs + kvs].view(n, nh + nkv, hd), rotations)
             q, k = qk[:, :nh], qk[:, nh:]
             write_kv(k_cache, v_cache, k, v, meta)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace, self.window, self.softcap)

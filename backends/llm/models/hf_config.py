@@ -39,10 +39,19 @@ class ArchConfig:
     bos_token_id: int | None
     sliding_window: int | None
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    # per layer, "sliding_attention" or "full_attention" (transformers 5.x's `layer_types`); empty:
+    # every layer slides when there is a `sliding_window`
+    layer_types: tuple[str, ...] = ()
 
     @property
     def rope_theta(self) -> float:
         return float(self.rope["rope_theta"])
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (it attends to that many last positions), 0 for full attention."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -113,6 +122,7 @@ def arch_config(raw: dict[str, Any], architecture: str) -> ArchConfig:
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=int(sliding) if sliding else None,
             raw=raw,
+            layer_types=tuple(str(t) for t in raw.get("layer_types") or ()),
         )
     except KeyError as exc:
         raise ValueError(f"config.json has no {exc.args[0]!r}") from None

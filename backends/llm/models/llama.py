@@ -27,6 +27,11 @@ from .interface import KVCache, KVCacheSpec
 from .loader import WeightMap
 
 
+def layer_index(prefix: str) -> int:
+    """The layer number of a decoder layer's tensor-name prefix, "model.layers.{i}."."""
+    return int(prefix.rstrip(".").rsplit(".", 1)[1])
+
+
 class LlamaDecoderLayer:
     """Pre-norm attention and gated MLP, each added into the residual stream."""
 
@@ -37,14 +42,14 @@ class LlamaDecoderLayer:
         self.input_layernorm = RMSNorm(prefix + "input_layernorm", hidden, cfg.rms_norm_eps)
         self.qkv_proj = Linear(prefix + "self_attn.qkv_proj", hidden, (nh * hd, nkv * hd, nkv * hd), cfg.qkv_bias,
                                dtype, device)
-        self.attn = Attention(nh, nkv, hd, rope, workspace)
+        self.attn = Attention(nh, nkv, hd, rope, workspace, window=cfg.window(layer_index(prefix)))
         self.o_proj = Linear(prefix + "self_attn.o_proj", nh * hd, (hidden,), cfg.o_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(prefix + "post_attention_layernorm", hidden, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(prefix + "mlp.gate_up_proj", hidden, (inter, inter), cfg.mlp_bias, dtype, device)
         self.act = gated_activation(cfg.hidden_act)
         self.down_proj = Linear(prefix + "mlp.down_proj", inter, (hidden,), cfg.mlp_bias, dtype, device)
         self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        self.norms = (self.input_layernorm, self.post_attention_layernorm)
+        self.norms: tuple[RMSNorm, ...] = (self.input_layernorm, self.post_attention_layernorm)
 
     def weights(self, prefix: str, rope: RotaryEmbedding, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
                 into: WeightMap) -> None:

@@ -1,5 +1,5 @@
-"""Mistral: Llama's layers without biases; its `sliding_window` caps the context here (there is no
-sliding-window attention yet, so a sequence stays inside one window and attends to all of it)."""
+"""Mistral: Llama's layers without biases; every layer attends through its `sliding_window` where the
+config has one (the last `sliding_window` positions, attention.py)."""
 
 from __future__ import annotations
 

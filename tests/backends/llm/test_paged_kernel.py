@@ -136,3 +136,45 @@ def test_rope_write_kv(ops, heads, kvh, hd, bs):
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.rope_write_kv(qkv, torch.view_as_real(freqs).contiguous(), positions, k_cache, v_cache,
                           slots + num_blocks * bs, heads, kvh)
+
+
+def windowed_reference(q, k_t, v, tables, lens, scale, window, softcap):
+    """`reference` with a sliding window (the last `window` tokens) and soft-capped scores, as
+    transformers' eager attention computes them."""
+    kvh, _, hd, bs = k_t.shape
+    group = q.shape[1] // kvh
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        ids = tables[b, : -(-n // bs)].long().clamp(min=0)
+        keys = k_t[:, ids].transpose(2, 3).reshape(kvh, -1, hd)[:, :n].repeat_interleave(group, 0)
+        vals = v[:, ids].reshape(kvh, -1, hd)[:, :n].repeat_interleave(group, 0)
+        s = (q[b].unsqueeze(1) @ keys.transpose(1, 2)) * scale  # [heads, 1, n]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if window:
+            s[..., : max(n - window, 0)] = float("-inf")
+        rows.append((torch.softmax(s, dim=-1) @ vals).reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("heads,kvh,hd,bs", SHAPES)
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (33, 0.0), (0, 5.0), (20, 3.0)])
+def test_sliding_window_and_softcap_match_torch(op, heads, kvh, hd, bs, window, softcap):
+    """Blocks wholly before the window are never read: their table entries here are out of range."""
+    gen = torch.Generator().manual_seed(heads * 100 + hd + bs + window)
+    num_blocks, batch = 200, 9
+    k_t = torch.randn(kvh, num_blocks, hd, bs, generator=gen) * 3  # large scores: the cap matters
+    v = torch.randn(kvh, num_blocks, bs, hd, generator=gen)
+    lens = torch.randint(1, 20 * bs, (batch,), generator=gen, dtype=torch.int32)
+    lens[0], lens[1], lens[2] = 1, bs, max(window, 1)
+    width = int(-(-lens.max() // bs)) + 1
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)]).int()
+    if window:
+        for b in range(batch):
+            tables[b, : max(int(lens[b]) - window, 0) // bs] = -1  # given back: must not be read
+    q = torch.randn(batch, heads + kvh, hd, generator=gen)[:, :heads]
+    out = torch.full((batch, heads * hd), float("nan"))
+    op(out, q, k_t, v, tables, lens, hd**-0.5, softcap, window)
+    expected = windowed_reference(q, k_t, v, tables, lens, hd**-0.5, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)

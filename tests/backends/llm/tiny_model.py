@@ -37,9 +37,11 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> None:
 
 
 def build_model(folder: Path, arch: str = "llama", seed: int = 0, shard_size: str | None = None,
-                **overrides: object) -> Path:
+                random_norms: bool = False, **overrides: object) -> Path:
     """Save a random tiny model + tokenizer to `folder` and return it (`shard_size`: save it in
-    shards of at most that size, e.g. "100KB", with model.safetensors.index.json)."""
+    shards of at most that size, e.g. "100KB", with model.safetensors.index.json; `random_norms`:
+    norm weights drawn too, since transformers starts them all equal, which would hide a norm
+    weight in the wrong layout)."""
     import torch
     import transformers
 
@@ -53,17 +55,25 @@ def build_model(folder: Path, arch: str = "llama", seed: int = 0, shard_size: st
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common))
     # Larger-than-default weights: sharper logits, so float rounding cannot flip a greedy argmax.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.15)
-            elif "bias" in str(p):
+            elif name.endswith(".bias"):
                 p.normal_(0, 0.1)
+            elif random_norms and "norm" in name:
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": shard_size} if shard_size else {}))
     return folder
 
