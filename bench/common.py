@@ -23,6 +23,10 @@ BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 CACHE = BENCH / ".cache"
 LOGS = CACHE / "logs"
+# The LLM engine's C++ kernels compile once per checkout, into build/ as the tests do (tests/conftest.py):
+# torch rebuilds a shared ~/.cache/torch_extensions whenever another checkout or venv built last, and a
+# rebuild inside a restarted engine core (tens of seconds on 2 busy cores) would count as its restart.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))
 
 
 def log(msg: str) -> None:

@@ -207,8 +207,9 @@ def triton_reference_starter(model: str, scratch: Path) -> Callable[[], Server]:
     return start
 
 
-def start_triton(repo: Path, timeout: float = 180) -> Server:
-    """The reference tritonserver via $PIER_REFERENCE_TOOLS/triton-reference/start.sh; stopped with stop.sh.
+def start_triton(repo: Path, timeout: float = 180, extra: Sequence[str] = ()) -> Server:
+    """The reference tritonserver via $PIER_REFERENCE_TOOLS/triton-reference/start.sh (`extra`: more
+    tritonserver flags); stopped with stop.sh.
 
     start.sh/stop.sh keep server.pid and server.log in the install dir they are given, so an install
     shared with other users (tests, another benchmark) could have them stop each other's server. The
@@ -241,7 +242,7 @@ def start_triton(repo: Path, timeout: float = 180) -> Server:
 
     try:
         subprocess.run(["bash", str(scripts / "start.sh"), str(run_dir), str(repo), str(http), str(grpc_),
-                        str(metrics)], check=True, timeout=timeout, capture_output=True, text=True)
+                        str(metrics), *extra], check=True, timeout=timeout, capture_output=True, text=True)
     except subprocess.CalledProcessError as exc:
         stop()
         raise RuntimeError(f"triton start.sh failed: {exc.stderr[-2000:]}") from exc
