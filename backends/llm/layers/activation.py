@@ -26,7 +26,15 @@ class SiluAndMul:
         return out
 
 
-_GATED = {"silu": SiluAndMul}
+class GeluTanhAndMul(SiluAndMul):
+    """gelu_tanh(x[:, :d]) * x[:, d:] (Gemma's GeGLU, `gelu_pytorch_tanh`): torch's own op, no kernel."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+
+
+_GATED = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 def gated_activation(name: str) -> SiluAndMul:

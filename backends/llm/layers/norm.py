@@ -41,3 +41,11 @@ class RMSNorm:
         out = torch.empty_like(x)
         self.kernels.rms_norm(out, x, self.weight, self.eps)
         return out
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, y = (1 + w) * x / rms(x): the checkpoint's w is stored as 1 + w (in float32
+    first, as Gemma computes it), so the forward is RMSNorm's."""
+
+    def load(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        super().load(1.0 + weight.float(), dtype, device)

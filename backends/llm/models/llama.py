@@ -95,12 +95,16 @@ class LlamaForCausalLM:
         self.workspace = Workspace()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings, max_positions, dtype, device)
         self.embed_tokens = VocabEmbedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)
-        self.layers = [self.layer_class(cfg, f"model.layers.{i}.", self.rope, self.workspace, dtype, device)
+        self.layers = [self.layer_class(cfg, f"model.layers.{i}.", self.layer_rope(i), self.workspace, dtype, device)
                        for i in range(cfg.num_layers)]
         self.norm = RMSNorm("model.norm", cfg.hidden_size, cfg.rms_norm_eps)
         head = None if cfg.tie_word_embeddings else Linear("lm_head", cfg.hidden_size, (cfg.vocab_size,), False,
                                                               dtype, device)
         self.lm_head = LMHead(self.embed_tokens, head)
+
+    def layer_rope(self, layer: int) -> RotaryEmbedding:
+        """The RoPE of layer `layer` (one for all here; Gemma 3's local layers have their own)."""
+        return self.rope
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg, dtype, device = self.config, self.dtype, self.device

@@ -85,3 +85,27 @@ def test_qwen3_norms_q_and_k_per_head(tmp_path, long_prompts):
     eng = assert_equals_transformers(folder, long_prompts)
     layer = eng.model.layers[0]
     assert type(eng.model).__name__ == "Qwen3ForCausalLM" and layer.o_proj.bias is not None
+
+
+def test_gemma2_caps_scores_and_slides_on_every_other_layer(tmp_path, long_prompts):
+    """Gemma 2: (1 + w) norms around both blocks, GeGLU, scaled embeddings, tied head, the scale from
+    query_pre_attn_scalar, attention and final logit soft-capping, a window of 8 on layer 0 only."""
+    folder = build_model(tmp_path / "gemma2", "gemma2", seed=14, random_norms=True, head_dim=32,
+                         query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
+                         final_logit_softcapping=10.0, tie_word_embeddings=True)
+    eng = assert_equals_transformers(folder, long_prompts)
+    assert [(layer.attn.window, layer.attn.softcap) for layer in eng.model.layers] == [(8, 5.0), (0, 5.0)]
+
+
+def test_gemma3_has_local_and_global_rope(tmp_path, long_prompts):
+    """Gemma 3 (text): q/k norms, a RoPE base of its own on the sliding layer, linear scaling on the
+    global one only."""
+    folder = build_model(tmp_path / "gemma3", "gemma3_text", seed=15, random_norms=True, head_dim=32,
+                         query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
+                         layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 1000.0}})
+    eng = assert_equals_transformers(folder, long_prompts)
+    local, full = (layer.attn for layer in eng.model.layers)
+    assert local.window == 8 and full.window == 0 and local.rope is not full.rope
