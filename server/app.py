@@ -221,6 +221,9 @@ class PierServer:
         running = self.plane.running()
         if running:
             return f"{len(running)} request{'s' if len(running) > 1 else ''} still running: " + "; ".join(running)
+        serving = self._frontends.still_serving() if self._frontends is not None else []
+        if serving and self.phase == "stopping the endpoints":
+            return f"still stopping the endpoints: {', '.join(serving)} still writing to open connections"
         return f"still {self.phase}"
 
 
@@ -300,8 +303,10 @@ async def serve(settings: Settings) -> int:
              settings.exit_timeout_secs)
     deadline = ExitDeadline(settings.exit_timeout_secs, server.still_running)
     deadline.arm()
-    await server.shutdown()
-    deadline.disarm()
+    try:
+        await server.shutdown()
+    finally:  # also when the shutdown fails (a child killed at the deadline can make it raise): once
+        deadline.disarm()  # the deadline fired this waits for its os._exit, so its cleanup is not cut short
     log.info("stopped")
     return 0
 

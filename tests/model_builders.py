@@ -71,6 +71,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             seconds = pb_utils.get_input_tensor_by_name(request, "SECONDS").as_numpy()
+            print(f"sleep_py: sleeping {float(seconds[0]):g} s", flush=True)  # tests wait for this line
             time.sleep(float(seconds[0]))
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", seconds)]))
         return responses

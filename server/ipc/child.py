@@ -104,6 +104,7 @@ _LIVE: dict[Child[Any], None] = {}  # every child spawned and not yet released, 
 _LIVE_LOCK = threading.Lock()
 _ENDING = False  # kill_all() has run: the server is exiting now, no child may start
 _SCRATCH: set[str] = set()  # the owners' private folders (socket files), removed by kill_all() too
+_SCRATCH_LOCK = threading.Lock()  # held while a scratch folder is being removed
 
 
 def scratch_folder(prefix: str) -> str:
@@ -117,9 +118,12 @@ def scratch_folder(prefix: str) -> str:
 
 
 def drop_scratch(path: str) -> None:
-    with _LIVE_LOCK:
-        _SCRATCH.discard(path)
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a scratch folder; it stays listed until it is gone, so that kill_all(), on another
+    thread, waits for a removal under way instead of letting the process exit in the middle of it."""
+    with _SCRATCH_LOCK:
+        shutil.rmtree(path, ignore_errors=True)
+        with _LIVE_LOCK:
+            _SCRATCH.discard(path)
 
 
 class Child(Generic[L]):
@@ -198,25 +202,27 @@ def kill_all(timeout_s: float = 5.0) -> None:
     exit timeout expired with work still running), so that no child outlives it even for the
     moment PR_SET_PDEATHSIG would take, and no socket folder is left. Any thread."""
     global _ENDING
-    with _LIVE_LOCK:
-        _ENDING = True
-        children = list(_LIVE)
-        for child in children:
-            if child.proc.returncode is None and child.pidfd >= 0:
+    try:
+        with _LIVE_LOCK:
+            _ENDING = True
+            children = list(_LIVE)
+            for child in children:
                 try:
-                    signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
-                except ProcessLookupError:  # exited already
+                    if child.proc.returncode is None and child.pidfd >= 0:
+                        signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+                except OSError:  # exited already, or its supervisor reaped it and closed the pidfd just now
                     pass
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        try:
-            child.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not refused; a D-state child
-            pass
-    with _LIVE_LOCK:
-        folders = list(_SCRATCH)
-    for folder in folders:
-        drop_scratch(folder)
+        deadline = time.monotonic() + timeout_s
+        for child in children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except (subprocess.TimeoutExpired, OSError):  # pragma: no cover - SIGKILL is not refused: a D-state child
+                pass
+    finally:  # the folders go whatever happened above
+        with _LIVE_LOCK:
+            folders = list(_SCRATCH)
+        for folder in folders:
+            drop_scratch(folder)
 
 
 def spawn(launch: Launch, link: L, generation: int = 1, name: str = "") -> Child[L]:

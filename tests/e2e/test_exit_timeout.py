@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,17 @@ def _server(tmp_path: Path, extra: str = "") -> PierProcess:
                       env=_private_tmp(tmp_path))
 
 
-def _exits_at_the_timeout(server: PierProcess, what: str) -> None:
+def _swallow(call: Callable[[], object]) -> Callable[[], None]:
+    """`call` for a thread of its own: the server it waits on exits under it."""
+    def run() -> None:
+        try:
+            call()
+        except Exception:
+            pass
+    return run
+
+
+def _exits_at_the_timeout(server: PierProcess, what: str, or_else: str | None = None) -> None:
     children = descendants(server.proc.pid)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -51,9 +62,13 @@ def _exits_at_the_timeout(server: PierProcess, what: str) -> None:
     log = server.log()
     assert code == 1, (code, log)
     assert took >= TIMEOUT_S - 0.2, (took, log)
-    assert "exit timeout: 3 s after the signal, 1 request still running: " + what in log, log
+    said = ["exit timeout: 3 s after the signal, 1 request still running: " + what]
+    if or_else is not None:
+        said.append("exit timeout: 3 s after the signal, " + or_else)
+    assert any(s in log for s in said), (said, log)
     assert not alive(children), (alive(children), log)
-    assert not list((server.log_path.parent / "tmp").iterdir()), "scratch folders left behind"
+    left = list((server.log_path.parent / "tmp").rglob("*"))
+    assert not left, ("scratch folders left behind", left, log)
 
 
 @pytest.mark.parametrize("mode", ["process", "in_process"])
@@ -63,8 +78,11 @@ def test_a_stuck_execute_cannot_hold_the_exit(tmp_path: Path, mode: str) -> None
     server = _server(tmp_path, f'parameters {{ key: "execution_mode" value {{ string_value: "{mode}" }} }}')
     client = httpclient.InferenceServerClient(server.http_url, connection_timeout=300, network_timeout=300)
     inputs = numpy_inputs(httpclient, {"SECONDS": np.array([120], np.float32)})
-    threading.Thread(target=lambda: client.async_infer("sleep_py", inputs, request_id="stuck"), daemon=True).start()
-    time.sleep(1.0)  # it runs
+    threading.Thread(target=_swallow(lambda: client.infer("sleep_py", inputs, request_id="stuck")), daemon=True).start()
+    deadline = time.monotonic() + 60  # it runs (on two shared cores it may take a while to arrive)
+    while "sleep_py: sleeping 120 s" not in server.log():
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
     if mode == "process":
         assert descendants(server.proc.pid), "the model's stub process"
     _exits_at_the_timeout(server, "model 'sleep_py' version 1 request 'stuck'")
@@ -118,6 +136,8 @@ def test_a_client_that_never_reads_cannot_hold_the_exit(tmp_path: Path) -> None:
     try:
         assert any("engine_core" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
                    for p in descendants(server.proc.pid)), "the engine core process"
-        _exits_at_the_timeout(server, "model 'tiny_llama' version 1 request ")
+        # With frontend processes the engine may have finished: the frontend holds what it could not write
+        _exits_at_the_timeout(server, "model 'tiny_llama' version 1 request ",
+                              "still stopping the endpoints: frontend process ")
     finally:
         sock.close()

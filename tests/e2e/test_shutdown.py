@@ -220,7 +220,9 @@ def test_an_openai_stream_in_flight_finishes(tmp_path):
     build_model(repo / "tiny_llama" / "1", "llama", max_position_embeddings=2048)
     (repo / "tiny_llama" / "config.pbtxt").write_text(
         'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
-    server = start_pier([repo], log_path=tmp_path / "log", timeout=120)
+    # 1500 tokens take ~10 s alone, far longer on two cores shared with other work: more than the
+    # default 30 s exit timeout would allow (that bound has tests of its own: test_exit_timeout.py)
+    server = start_pier([repo], "--exit-timeout-secs=300", log_path=tmp_path / "log", timeout=120)
     client = openai.OpenAI(base_url=f"{server.base()}/v1", api_key="none", max_retries=0)
     chunks, refused_at = [], 0
     stream = client.completions.create(model="tiny_llama", prompt="a story", max_tokens=1500, temperature=0,

@@ -144,6 +144,7 @@ class _Slot:
         if child is not None and killed:
             log.warning("frontend process %d (pid %d) did not stop: killing it", self.index, child.pid)
         if child is not None:
+            self.pool._frontends.pop(self.index, None)
             self.pool._closed(child.link)
 
 
@@ -257,6 +258,12 @@ class FrontendPool:
         gRPC clients get GOAWAY), and every answer from now on says `Connection: close`."""
         self._exiting = True
         self._broadcast(fm.Exiting())
+
+    def still_serving(self) -> list[str]:
+        """The frontend processes not stopped yet, by name (any thread: a snapshot of a dict). When
+        the drain waits on them, what they hold is a client's connection the server is still writing
+        to: the requests relayed to the plane have all ended."""
+        return [f"frontend process {index}" for index in sorted(list(self._frontends))]
 
     async def stop(self) -> None:
         """Tell every frontend to stop (each finishes what it has open) and wait for all of them;
