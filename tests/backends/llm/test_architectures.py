@@ -16,8 +16,6 @@ from pier.backends.llm.sampling_params import SamplingParams
 
 from .tiny_model import build_model, hf_greedy
 
-GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def long_prompts() -> list[list[int]]:
@@ -44,17 +42,19 @@ def prompt_logprobs(eng: LLMEngine, prompts: list[list[int]]) -> list[list[float
     return [got[f"lp{i}"] for i in range(len(prompts))]
 
 
-def assert_equals_transformers(folder: Path, prompts: list[list[int]], **kw: object) -> LLMEngine:
+def assert_equals_transformers(folder: Path, prompts: list[list[int]], max_tokens: int = 32,
+                               **kw: object) -> LLMEngine:
     """Greedy over 32 tokens through the kernel and the torch path (with chunked prefill and prefix
     caching on the second pass), and prompt logprobs within 2e-3 of transformers' forward."""
     import transformers
 
-    ref = hf_greedy(folder, prompts, 32)
+    ref = hf_greedy(folder, prompts, max_tokens)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     eng = None
     for attention in ("auto", "torch"):
         eng = engine(folder, attention=attention, max_num_batched_tokens=16, **kw)
-        assert [o[0] for o in eng.generate(prompts, GREEDY)] == ref, attention
-        assert [o[0] for o in eng.generate(prompts[::-1], GREEDY)] == ref[::-1], attention  # prefix-cached
+        assert [o[0] for o in eng.generate(prompts, greedy)] == ref, attention
+        assert [o[0] for o in eng.generate(prompts[::-1], greedy)] == ref[::-1], attention  # prefix-cached
     assert eng is not None
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, got in zip(prompts, prompt_logprobs(eng, prompts)):
@@ -109,3 +109,36 @@ def test_gemma3_has_local_and_global_rope(tmp_path, long_prompts):
     eng = assert_equals_transformers(folder, long_prompts)
     local, full = (layer.attn for layer in eng.model.layers)
     assert local.window == 8 and full.window == 0 and local.rope is not full.rope
+
+
+def test_phi3_fused_checkpoint_partial_rotary_and_sliding_window(tmp_path, long_prompts):
+    """Phi-3: fused qkv_proj and gate_up_proj tensors, half of each head rotating, a window of 8."""
+    folder = build_model(tmp_path / "phi3", "phi3", seed=16, random_norms=True, partial_rotary_factor=0.5,
+                         sliding_window=8, pad_token_id=0)
+    eng = assert_equals_transformers(folder, long_prompts)
+    assert eng.model.rope.rotary_dim == 8 and eng.model.layers[0].attn.window == 8
+
+
+def test_phi3_longrope_short_and_long_factors(tmp_path):
+    """LongRoPE (short and long factors, original_max_position_embeddings 32) with a partial rotary
+    factor: greedy within the first 32 positions (the short factors, as transformers), and the
+    rotations from position 32 on are transformers' long-factor ones. (Past that length transformers
+    recomputes the whole cache with the long factors; the keys cached here keep theirs, as vLLM's.)"""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0], "original_max_position_embeddings": 32}
+    folder = build_model(tmp_path / "phi3", "phi3", seed=17, partial_rotary_factor=0.5, rope_parameters=rope,
+                         original_max_position_embeddings=32, max_position_embeddings=128, pad_token_id=0)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 20)]
+    eng = assert_equals_transformers(folder, prompts, max_tokens=12)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    short, scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=33)
+    table = eng.model.rope.freqs_cis
+    for pos, inv_freq in ((5, short), (31, short), (32, long), (100, long)):
+        want = torch.polar(torch.full((4,), scale), pos * inv_freq)
+        torch.testing.assert_close(table[pos, :4], want)
+        assert bool((table[pos, 4:] == 1).all())  # the half of each head that does not rotate
