@@ -48,19 +48,22 @@ class LlamaDecoderLayer:
         self.gate_up_proj = Linear(prefix + "mlp.gate_up_proj", hidden, (inter, inter), cfg.mlp_bias, dtype, device)
         self.act = gated_activation(cfg.hidden_act)
         self.down_proj = Linear(prefix + "mlp.down_proj", inter, (hidden,), cfg.mlp_bias, dtype, device)
-        self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        self.linears: tuple[Linear, ...] = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         self.norms: tuple[RMSNorm, ...] = (self.input_layernorm, self.post_attention_layernorm)
+
+    def checkpoint_parts(self, prefix: str) -> list[tuple[Linear, tuple[str, ...]]]:
+        """Each projection with the checkpoint's names of its slices, in order."""
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        return [(self.qkv_proj, (a + "q_proj", a + "k_proj", a + "v_proj")), (self.o_proj, (a + "o_proj",)),
+                (self.gate_up_proj, (m + "gate_proj", m + "up_proj")), (self.down_proj, (m + "down_proj",))]
 
     def weights(self, prefix: str, rope: RotaryEmbedding, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
                 into: WeightMap) -> None:
         """Map Hugging Face's tensor names (separate q/k/v, gate/up) onto the fused projections."""
-        a, m = prefix + "self_attn.", prefix + "mlp."
         for norm in self.norms:
             into.add(f"{norm.name}.weight", norm.loader(dtype, device))
         heads = (cfg.num_heads, cfg.num_kv_heads, None)
-        checkpoint_parts = ((self.qkv_proj, (a + "q_proj", a + "k_proj", a + "v_proj")), (self.o_proj, (a + "o_proj",)),
-                            (self.gate_up_proj, (m + "gate_proj", m + "up_proj")), (self.down_proj, (m + "down_proj",)))
-        for linear, parts in checkpoint_parts:
+        for linear, parts in self.checkpoint_parts(prefix):
             for i, part in enumerate(parts):
                 rotate = heads[i] if linear is self.qkv_proj else None
                 kinds = ("weight", "bias") if linear.has_bias else ("weight",)

@@ -4,6 +4,7 @@ kernel and the torch reference), and every prompt token's logprob within 2e-3.""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -142,3 +143,25 @@ def test_phi3_longrope_short_and_long_factors(tmp_path):
         want = torch.polar(torch.full((4,), scale), pos * inv_freq)
         torch.testing.assert_close(table[pos, :4], want)
         assert bool((table[pos, 4:] == 1).all())  # the half of each head that does not rotate
+
+
+def test_mixtral_routes_each_token_to_its_top_2_of_4_experts(tmp_path, long_prompts):
+    folder = build_model(tmp_path / "mixtral", "mixtral", seed=18, num_local_experts=4, num_experts_per_tok=2,
+                         sliding_window=12)
+    eng = assert_equals_transformers(folder, long_prompts)
+    assert all(layer.moe is not None and layer.moe.num_experts == 4 for layer in eng.model.layers)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_sparse_and_dense_layers(tmp_path, long_prompts, norm_topk_prob):
+    """Qwen3-MoE: 3 of 8 experts per token, layer 1 dense (mlp_only_layers), q/k norms; the config
+    as transformers 5.x writes it (`num_local_experts`) and as 4.x did (`num_experts`)."""
+    folder = build_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=19, random_norms=True, num_hidden_layers=3,
+                         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
+                         norm_topk_prob=norm_topk_prob)
+    if not norm_topk_prob:
+        raw = json.loads((folder / "config.json").read_text())
+        raw["num_experts"] = raw.pop("num_local_experts")
+        (folder / "config.json").write_text(json.dumps(raw))
+    eng = assert_equals_transformers(folder, long_prompts)
+    assert [layer.moe is not None for layer in eng.model.layers] == [True, False, True]

@@ -81,7 +81,7 @@ def test_unknown_architecture_names_the_known_ones(tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["GemmaForCausalLM"]}))
     known = ", ".join(registry.architectures())
-    assert "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM" in known
+    assert known.startswith("Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM")
     with pytest.raises(ValueError, match=re.escape(f"'GemmaForCausalLM'; supported: {known}")):
         engine(folder)
 
