@@ -7,7 +7,7 @@ PA_DIR ?= $(HOME)/opt/perf-analyzer
 # of server/ and backends/ (pyproject.toml). A link tree holds the files it was built with, so
 # a new or removed module re-links it (.venv/.pkg-files changes only when that list does).
 EDITABLE := --no-build-isolation --config-settings editable_mode=strict
-PKG_FILES := $(shell find server backends -name '*.py' -o -name '*.pyi' -o -name '*.cpp' -o -name '*.h' | LC_ALL=C sort)
+PKG_FILES := $(shell find server backends -name '*.py' -o -name '*.pyi' -o -name '*.cpp' -o -name '*.h' -o -path '*/assets/*' | LC_ALL=C sort)
 
 .PHONY: serve serve-llm smollm2 test fast lint unit perf-analyzer models pipeline protos bench clean FORCE
 

@@ -32,6 +32,7 @@ from pier.frontends.grpc.servicer import start_grpc_server
 from pier.frontends.http.app import build_app
 from pier.frontends.http.middleware import quiet_client_mistakes
 from pier.frontends.metrics import CONTENT_TYPE, MetricsConfig, MetricsRenderer
+from pier.frontends.status.page import StatusPage
 from pier.frontends.workers.pool import FrontendPool
 from pier.ipc.child import drop_scratch, kill_all, scratch_folder
 from pier.ipc.child import running as child_processes
@@ -66,8 +67,9 @@ class PierServer:
                                Tracer(parse_trace_config(list(settings.trace_config))), settings.server_id,
                                ResponseCache(settings.response_cache_bytes) if settings.response_cache_bytes else None)
         services = PlaneServices(self.plane, asyncio.get_running_loop(), lambda: self.control)
-        self.lifecycle = ModelLifecycle(routes, services, settings.model_load_thread_count,
-                                        keep_recent=MetricsConfig.parse(settings.metrics_config).summary_latencies)
+        # keep_recent: the statistics keep a window of recent requests, whose latencies the status
+        # page's p50/p99 (and the summary metrics' quantiles) are computed from.
+        self.lifecycle = ModelLifecycle(routes, services, settings.model_load_thread_count, keep_recent=True)
         self.manager = RepositoryManager(self.lifecycle, list(settings.model_repositories),
                                          settings.auto_complete_config, config_name=settings.model_config_name,
                                          namespacing=settings.model_namespacing)
@@ -80,6 +82,8 @@ class PierServer:
         self.phase = "serving"  # what shutdown() is doing, for the exit timeout's log line
         self._frontends: FrontendPool | None = None
         self._socket_dir: Path | None = None
+        self.status = StatusPage(settings, self.plane, self.control, self.lifecycle)
+        self._status_task: asyncio.Task[None] | None = None
 
     async def start_endpoints(self) -> None:
         s = self.settings
@@ -108,7 +112,8 @@ class PierServer:
         if s.allow_http:
             app = build_app(self.plane, self.control, s.http_max_input_size,
                             restrictions.parse(s.http_restricted_api, "--http-restricted-api"), metrics,
-                            s.http_header_forward_pattern, (keys, limiter))
+                            s.http_header_forward_pattern, (keys, limiter), self.status)
+            self._status_task = asyncio.ensure_future(self.status.history.run())
             if fronted:
                 await self._serve_unix(app, paths["http"])
             else:
@@ -199,6 +204,8 @@ class PierServer:
             self._grpc_closing = asyncio.ensure_future(self._grpc.stop(self.settings.exit_timeout_secs))
         if self._watcher is not None:
             await self._watcher.stop()
+        if self._status_task is not None:
+            self._status_task.cancel()
         await self.plane.wait_idle()
         self.phase = "stopping the endpoints"
         if self._frontends is not None:

@@ -107,6 +107,13 @@ class DataPlane:
         return [f"model '{m.spec.name}' version {m.version} request '{r.id or '<no id>'}' ({now - since:.1f} s)"
                 for m, r, since in sorted(self._running.copy().values(), key=lambda e: e[2])]
 
+    def in_flight(self) -> dict[int, int]:
+        """Requests in flight now per loaded version (by `LoadedModel.load_id`): the status page's."""
+        counts: dict[int, int] = {}
+        for m, _, _ in self._running.copy().values():
+            counts[m.load_id] = counts.get(m.load_id, 0) + 1
+        return counts
+
     def live(self) -> bool:
         """Live while it drains after SIGTERM too (Triton answers "Server exiting" there): a
         liveness probe that failed would have the kubelet kill a pod finishing its requests."""

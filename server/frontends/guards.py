@@ -3,7 +3,8 @@ off by default. The frontends apply them (HTTP: frontends/http/middleware.py; gR
 frontends/grpc/guard.py); health probes and the metrics port stay open.
 
 - API keys (`--api-key`, `--api-key-file`): a request carries one as `Authorization: Bearer KEY` or
-  `api-key: KEY` (HTTP headers, gRPC metadata); compared in constant time.
+  `api-key: KEY` (HTTP headers, gRPC metadata), or as the password of HTTP Basic credentials
+  (`Authorization: Basic`, what a browser sends for the status page); compared in constant time.
 - Rate limits: token buckets (`--rate-limit-model=[MODEL=]RATE[:BURST]`, requests per second; a
   default for every model and overrides per model) and one per API key (`--rate-limit-key`). A
   request over a limit is refused at once (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED) and
@@ -12,6 +13,8 @@ frontends/grpc/guard.py); health probes and the metrics port stay open.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import math
 import threading
@@ -35,11 +38,18 @@ def parse_keys(keys: Iterable[str], files: Iterable[str]) -> frozenset[str]:
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a request carries (`Authorization: Bearer K` or `api-key: K`), if any."""
+    """The key a request carries (`Authorization: Bearer K`, `api-key: K`, or Basic credentials
+    whose password is K: a browser's answer to the status page's prompt), if any."""
     auth = headers.get("authorization") or headers.get("Authorization")
     if auth and auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    return headers.get("api-key") or headers.get("Api-Key")
+    key = headers.get("api-key") or headers.get("Api-Key")
+    if key is None and auth and auth[:6].lower() == "basic ":
+        try:
+            return base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    return key
 
 
 class ApiKeys:

@@ -40,7 +40,9 @@ def test_the_key_a_request_presents() -> None:
     assert presented_key({"Authorization": "bearer k1"}) == "k1"  # the scheme is case-insensitive
     assert presented_key({"api-key": "k2"}) == "k2"
     assert presented_key({"authorization": "Basic dXNlcjpwdw==", "api-key": "k3"}) == "k3"
-    assert presented_key({"authorization": "Basic dXNlcjpwdw=="}) is None and presented_key({}) is None
+    # A browser's Basic credentials (the status page): the password is the key
+    assert presented_key({"authorization": "Basic dXNlcjpwdw=="}) == "pw" and presented_key({}) is None
+    assert presented_key({"authorization": "Basic !!"}) is None
 
 
 def test_only_a_whole_key_is_allowed() -> None:

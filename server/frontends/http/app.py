@@ -19,6 +19,7 @@ from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.frontends.http import codec, generate, openai
 from pier.frontends.http.infer import InferHandler
 from pier.frontends.http.middleware import error_middleware, guard_middleware, restrict_middleware
+from pier.frontends.status.page import StatusPage
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.observability import log_settings
 from pier.tensors.validation import HeaderPattern, forward_headers
@@ -291,10 +292,11 @@ def close_when_exiting(app: web.Application, plane: InferencePlane) -> None:
 def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
               restricted: restrictions.Rules | None = None,
               metrics: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None,
-              header_pattern: str = "", guards: tuple[ApiKeys, RateLimiter] | None = None) -> web.Application:
+              header_pattern: str = "", guards: tuple[ApiKeys, RateLimiter] | None = None,
+              status_page: StatusPage | None = None) -> web.Application:
     """The HTTP endpoint; `restricted`: API categories that need a header (--http-restricted-api);
     `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
-    scrape jobs written for vLLM work)."""
+    scrape jobs written for vLLM work); `status_page`: the status page, at / and /api/status."""
     middlewares = [error_middleware] + ([restrict_middleware(restricted)] if restricted else [])
     if guards is not None and (guards[0].enabled or guards[1].enabled):
         middlewares.append(guard_middleware(*guards))
@@ -338,6 +340,8 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     openai.add_routes(app, plane, max_input_size)
     if metrics is not None:
         r.add_get("/metrics", metrics)
+    if status_page is not None:
+        status_page.add_routes(app, restricted or {})
     repo_model = "/v2/repository/models/{model}"
     r.add_post(repo_model + "/load", h.repository_load)
     r.add_post(repo_model + "/unload", h.repository_unload)

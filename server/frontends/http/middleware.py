@@ -91,6 +91,9 @@ def restrict_middleware(rules: Rules) -> Callable[..., Awaitable[web.StreamRespo
 
 
 _OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # probes and scrapes stay open
+# What a person opens in a browser: a 401 there asks for Basic credentials (the key as the password),
+# which the browser then sends with every request of the page.
+_BROWSER_PATHS = ("/", "/api/status", "/static/", "/docs")
 
 
 def _openai_error(status: int, message: str, kind: str, code: str, headers: dict[str, str]) -> web.Response:
@@ -123,7 +126,8 @@ def guard_middleware(keys: ApiKeys, limiter: RateLimiter) -> Callable[[web.Reque
         if keys.enabled and not (path.startswith("/v2/health/") or path in _OPEN_PATHS) and not keys.allows(key):
             message = ("Incorrect API key provided." if key is not None else
                        "You didn't provide an API key: send Authorization: Bearer KEY (or an api-key header).")
-            headers = {"WWW-Authenticate": "Bearer"}
+            browser = path == "/" or path.startswith(_BROWSER_PATHS[1:])
+            headers = {"WWW-Authenticate": 'Basic realm="pier", charset="UTF-8"' if browser else "Bearer"}
             if path.startswith("/v1/"):
                 return _openai_error(401, message, "invalid_request_error", "invalid_api_key", headers)
             response = error_response(401, message)

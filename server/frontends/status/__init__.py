@@ -1,0 +1,1 @@
+"""The live status page (`GET /`) and the JSON behind it (`GET /api/status`)."""
