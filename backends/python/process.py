@@ -21,7 +21,8 @@ a death fails), aux.py handles what the child asks of the server while its model
   `restart_limit` (default 5) restarts in `restart_window_s` (default 600 s): one more death
   leaves the instance down until the model is loaded again. Both are `--backend-config=python,...`
   settings.
-- Shutdown: close() asks the child to finalize, waits up to 30 s for it to exit, then kills it.
+- Unload and shutdown: close() waits until the decoupled requests still sending end (as Triton),
+  then asks the child to finalize, waits up to 30 s for it to exit, then kills it.
   The child dies with the server too (pier.ipc.processes.die_with_parent), so no stub outlives it.
 """
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 from pier.contract.backend import InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
-from pier.contract.types import ExecuteResult, InferenceRequest
+from pier.contract.types import ExecuteResult, InferenceRequest, Outputs
 from pier.ipc import channel as wire
 from pier.ipc.child import Child, ChildExited, Exit, Launch, RestartPolicy
 from pier.ipc.messages import BadMessage
@@ -169,14 +170,17 @@ class ProcessInstance(ModelInstance):
                 results: Sequence[ExecuteResult] = ()) -> None:
         """An execute ended: forget its requests, except decoupled ones still sending (whose child
         died meanwhile: they end here, as `lost` only ends those not executing). A request the
-        execute failed is over (its error ends its stream), whatever its model sends later."""
+        execute failed is over (its error ends its stream), whatever its model sends later; so is
+        one its model rescheduled (the scheduler hands it back as a new request)."""
         orphans = []
         with self._lock:
             for i, rid in enumerate(rids):
                 entry = self._entries.get(rid)
                 if entry is None:
                     continue
-                ended = i < len(results) and isinstance(results[i], PierError)
+                result = results[i] if i < len(results) else None
+                # an error ends the request; a RESCHEDULE too (it comes back as a new request)
+                ended = isinstance(result, PierError) or (isinstance(result, Outputs) and result.reschedule)
                 if failed or ended or entry.final or entry.request.response_sink is None:
                     del self._entries[rid]
                 elif not link.alive:
@@ -212,7 +216,26 @@ class ProcessInstance(ModelInstance):
         return self._metrics_text
 
     def close(self) -> None:
+        """Unload: the decoupled requests still sending finish first, as on Triton (its unload waits
+        until every request is released), then finalize() runs in the child, which exits (killed
+        after FINALIZE_TIMEOUT_S). A stream its model never ends holds the unload, as on Triton; at
+        shutdown --exit-timeout-secs bounds it (the server then kills its children)."""
+        self._finish_streams()
         self._supervisor.stop(FINALIZE_TIMEOUT_S + 10)
+
+    def _finish_streams(self) -> None:
+        with self._lock:
+            link = self._link
+            if link is None:
+                return
+
+            def sending() -> int:
+                return sum(1 for e in self._entries.values() if e.link is link)
+
+            if link.alive and sending():
+                log.info("python model '%s' instance '%s' unloads once its %d decoupled request(s) still "
+                         "sending end", self._model, self._name, sending())
+            link.seen.wait_for(lambda: not link.alive or not sending())  # each Send handled, or its death
 
     # ---- the supervisor's owner (its thread) ----------------------------------------------------
 

@@ -538,6 +538,48 @@ def test_rescheduling_without_iterative_sequences_fails_the_request(server: Pier
     assert countdown_stream(server, "reschedule_dynamic", {"y": 1}) == {"y": [0]}
 
 
+@pytest.mark.parametrize("mode", ["process", "in_process"])
+def test_an_unload_lets_the_streams_in_flight_finish(tmp_path: Path, mode: str) -> None:
+    """As Triton: unloading a decoupled python model waits for the requests it is still answering
+    (each stream gets every response and its final flag), then the model unloads. Before, the stub
+    was finalized at once and the stream ended with "model 'square_int32' was unloaded"."""
+    repo = tmp_path / "repo"
+    shutil.copytree(PY_MODELS / "square_int32", repo / "square_int32")
+    if mode == "in_process":
+        with (repo / "square_int32" / "config.pbtxt").open("a") as f:
+            f.write('parameters { key: "execution_mode" value: { string_value: "in_process" } }\n')
+    server = start_pier([repo], "--model-control-mode=explicit", "--load-model=square_int32",
+                        log_path=tmp_path / "pier.log")
+    try:
+        answers: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=partial(lambda q, result, error: q.put((result, error)), answers))
+        n = 150  # 10 ms apart
+        inp = grpcclient.InferInput("IN", [1], "INT32")
+        inp.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer("square_int32", [inp], request_id="long", enable_empty_final_response=True)
+        assert answers.get(timeout=30)[1] is None
+        unload = threading.Thread(target=httpclient.InferenceServerClient(server.http_url).unload_model,
+                                  args=("square_int32",))
+        unload.start()
+        got, final = 1, False
+        while not final:
+            result, error = answers.get(timeout=30)
+            assert error is None, f"the stream was cut after {got} of {n} responses: {error}"
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            got += 0 if final else 1
+        assert got == n
+        unload.join(30)
+        deadline = time.monotonic() + 30
+        while requests.get(f"{server.base()}/v2/models/square_int32/ready", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "the model did not unload once its stream ended"
+            time.sleep(0.1)
+        client.stop_stream()
+    finally:
+        server.stop()
+    assert "unloads once its 1 decoupled request(s) still sending end" in server.log() or mode == "in_process"
+
+
 ROUNDS = 50
 FAILURES = {0: "failed after sending", 1: "failed after sending",
             2: "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE"}
