@@ -43,7 +43,8 @@ vllm:time_to_first_token_seconds_count{model_name="m"} 3
     assert c is not None
     assert c.gauges == {"num_requests_running": 2.0, "kv_cache_usage_perc": 0.25}
     assert (c.generation_tokens, c.prefix_queries, c.prefix_hits) == (40, 10, 4)
-    assert c.ttft_bounds == [0.1, 0.5] and c.ttft_counts == [1, 2, 0]
+    assert c.histograms["vllm:time_to_first_token_seconds"] == ([0.1, 0.5], [1, 2, 0])
+    assert c.quantile(c.zero(), "vllm:time_to_first_token_seconds", 0.5) == 200.0  # rank 1.5 of 3: in (0.1, 0.5]
     assert LlmCounters.parse("# TYPE nv_x counter\nnv_x 1\n") is None
 
 

@@ -25,6 +25,8 @@ log = logging.getLogger("pier.status")
 INTERVAL_S = 2.0
 WINDOW_S = 300.0
 SERIES = ("requests_per_s", "p50_ms", "p99_ms", "tokens_per_s", "ttft_p50_ms", "prefix_hit_rate")
+TTFT, E2E = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
+HISTOGRAMS = (TTFT, E2E)
 
 
 def quantile(values: list[float], q: float) -> float | None:
@@ -60,8 +62,20 @@ class LlmCounters:
     generation_tokens: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
-    ttft_bounds: list[float] = field(default_factory=list)
-    ttft_counts: list[float] = field(default_factory=list)  # per bucket, not cumulative
+    # time to first token and end-to-end latency: (bounds, count per bucket, not cumulative)
+    histograms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+
+    def zero(self) -> LlmCounters:
+        """The same families, every count 0: what a load had served before its first request."""
+        return LlmCounters(histograms={k: (b, [0.0] * len(c)) for k, (b, c) in self.histograms.items()})
+
+    def quantile(self, older: LlmCounters, name: str, q: float) -> float | None:
+        """The q-quantile of histogram `name` over what was observed since `older`, in ms."""
+        new, old = self.histograms.get(name), older.histograms.get(name)
+        if new is None or old is None or len(new[1]) != len(old[1]):
+            return None
+        value = bucket_quantile(new[0], [a - b for a, b in zip(new[1], old[1], strict=True)], q)
+        return None if value is None else value * 1000
 
     @classmethod
     def parse(cls, text: str) -> LlmCounters | None:
@@ -71,14 +85,10 @@ class LlmCounters:
             if not fam.name.startswith("vllm:"):
                 continue
             found = True
-            if fam.name == "vllm:time_to_first_token_seconds":
-                cumulative = [(float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket")]
-                cumulative.sort()
-                out.ttft_bounds = [b for b, _ in cumulative if not math.isinf(b)]
-                prev = 0.0
-                for _, v in cumulative:
-                    out.ttft_counts.append(v - prev)
-                    prev = v
+            if fam.name in HISTOGRAMS:
+                cumulative = sorted((float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket"))
+                counts = [v - prev for (_, v), prev in zip(cumulative, [0.0] + [v for _, v in cumulative])]
+                out.histograms[fam.name] = ([b for b, _ in cumulative if not math.isinf(b)], counts)
                 continue
             for s in fam.samples:
                 if s.name == "vllm:generation_tokens_total":
@@ -137,9 +147,7 @@ class History:
             track = self._tracks.get(load_id)
             llm = _llm(m)
             if track is None:  # loaded since the last sample, at most INTERVAL_S ago: all it served counts
-                zero = None if llm is None else LlmCounters(ttft_bounds=llm.ttft_bounds,
-                                                            ttft_counts=[0.0] * len(llm.ttft_counts))
-                track = self._tracks[load_id] = _Track(now - INTERVAL_S, 0, zero)
+                track = self._tracks[load_id] = _Track(now - INTERVAL_S, 0, None if llm is None else llm.zero())
             span = max(now - track.last_t, 1e-9)
             done = _done(m)
             recent = [r[1] / 1e6 for r in m.stats.recent or () if track.last_t < r[0] <= now]
@@ -153,10 +161,11 @@ class History:
                 queries = llm.prefix_queries - old.prefix_queries
                 point["tokens_per_s"] = (llm.generation_tokens - old.generation_tokens) / span
                 point["prefix_hit_rate"] = (llm.prefix_hits - old.prefix_hits) / queries if queries > 0 else None
-                if len(llm.ttft_counts) == len(old.ttft_counts):
-                    ttft = bucket_quantile(llm.ttft_bounds,
-                                           [a - b for a, b in zip(llm.ttft_counts, old.ttft_counts, strict=True)], 0.5)
-                    point["ttft_p50_ms"] = None if ttft is None else ttft * 1000
+                point["ttft_p50_ms"] = llm.quantile(old, TTFT, 0.5)
+                # A streamed request's latency is the engine's, to its last token (the data plane's
+                # statistics end when the backend takes the request): vllm:e2e_request_latency_seconds.
+                if E2E in llm.histograms:
+                    point["p50_ms"], point["p99_ms"] = llm.quantile(old, E2E, 0.5), llm.quantile(old, E2E, 0.99)
             track.points.append((now, point))
             track.last_t, track.last_done, track.last_llm, track.llm = now, done, llm, llm
 

@@ -11,7 +11,11 @@ function spark(values, colour) {
   const line = pts.map(([i, v]) => `${(i / n * 140).toFixed(1)},${(27 - v / max * 25).toFixed(1)}`).join(" ");
   return `<svg class="spark" viewBox="0 0 140 28"><polyline stroke="${colour}" points="${line}"/></svg>`;
 }
-const last = (xs) => (xs && xs.length) ? xs[xs.length - 1] : null;
+// The headline figures: a rate averaged over the last 10 s (5 points); a latency, the latest interval
+// that had requests (an idle interval has none to measure).
+const seen = (xs) => (xs || []).filter((v) => v !== null && v !== undefined);
+const recent = (xs) => { const v = seen((xs || []).slice(-5)); return v.length ? v.reduce((a, b) => a + b) / v.length : null; };
+const last = (xs) => { const v = seen(xs); return v.length ? v[v.length - 1] : null; };
 
 function uptime(s) {
   const d = Math.floor(s / 86400), h = Math.floor(s % 86400 / 3600), m = Math.floor(s % 3600 / 60);
@@ -27,7 +31,7 @@ function row(m) {
       (m.reason ? `<div class="reason">${esc(m.reason)}</div>` : "") + "</td>",
     `<td class="figure">${m.traffic_percent === undefined || m.traffic_percent === null ? "–" : m.traffic_percent + " %"}</td>`,
     `<td class="figure">${st ? `${st.queue} / ${st.in_flight}` : "–"}</td>`,
-    `<td class="figure">${sr ? fmt(last(sr.requests_per_s), "") + spark(sr.requests_per_s, "#2b6cb0") : "–"}</td>`,
+    `<td class="figure">${sr ? fmt(recent(sr.requests_per_s), "") + spark(sr.requests_per_s, "#2b6cb0") : "–"}</td>`,
     `<td class="figure">${sr ? `${fmt(last(sr.p50_ms), " ms")} / ${fmt(last(sr.p99_ms), " ms")}` +
       spark(sr.p99_ms, "#c05621") : "–"}</td>`,
     `<td>${ex ? ex.instances.map((g) => `${g.count}× ${esc(g.kind)}`).join(", ") +
@@ -36,7 +40,7 @@ function row(m) {
   const llm = st && st.llm;
   cells.push(llm ? `<td class="figure">KV cache ${fmt(100 * (llm.kv_cache_usage || 0), " %")}<br>` +
     `running ${llm.running ?? "–"}, waiting ${llm.waiting ?? "–"}<br>` +
-    `${fmt(last(sr.tokens_per_s), " tok/s")}${spark(sr.tokens_per_s, "#2f855a")}` +
+    `${fmt(recent(sr.tokens_per_s), " tok/s")}${spark(sr.tokens_per_s, "#2f855a")}` +
     `TTFT p50 ${fmt(last(sr.ttft_p50_ms), " ms")}<br>prefix hits ${fmt(
       last(sr.prefix_hit_rate) === null ? null : 100 * last(sr.prefix_hit_rate), " %")}<br>` +
     `adapters: ${llm.adapters.length ? llm.adapters.map(esc).join(", ") : "none"}</td>` : "<td>–</td>");
