@@ -52,6 +52,7 @@ from bench.common import ROOT, Settings, git_describe, loadavg, log, machine, pi
 from bench.measure import alternate, fmt_ms, fmt_rate, perf_analyzer_point
 from bench.report import finish, ratio_cells, ratio_reading
 from bench.revisions import check_old_imports, describe_head, git, start_old, worktree
+from bench.server_cpu import metered
 from bench.servers import Server, Servers, measure, ready_or_stopped, start_pier
 from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
 
@@ -89,6 +90,10 @@ class ABPoint:
 
     def latency_ratios(self) -> list[float]:
         return self._ratios("p50_ms")
+
+    def cpu_ratios(self) -> list[float]:
+        """The server's CPU per request (bench/server_cpu.py), new/old per round."""
+        return self._ratios("server_cpu_us")
 
     def median(self, side: str, key: str) -> float | None:
         vals = [r[key] for r in getattr(self, side) if r and r.get(key) is not None]
@@ -166,9 +171,12 @@ def run_perf_analyzer(run: Run, bench: str, fill: Callable[[Path], None], points
     run.points += measured.values()
 
     def one(srv: Server, label: str, p: PAPoint) -> dict:
-        pt = perf_analyzer_point(pa, settings, p.model, srv.http if p.proto == "http" else srv.grpc, p.proto,
-                                 p.concurrency, list(p.data), label)
-        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms{'' if pt.stable else ' (unstable)'}")
+        pt = metered(srv, p.model, lambda: perf_analyzer_point(
+            pa, settings, p.model, srv.http if p.proto == "http" else srv.grpc, p.proto, p.concurrency,
+            list(p.data), label))
+        cpu = f", server CPU {pt.server_cpu_us:,.0f} µs/req" if pt.server_cpu_us else ""
+        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.3f} ms{cpu}"
+            f"{'' if pt.stable else ' (unstable)'}")
         return {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
 
     with Servers() as servers:
@@ -304,6 +312,15 @@ def _rounds_cell(p: ABPoint) -> str:
     return " / ".join(cells)
 
 
+def _cpu_cell(p: ABPoint) -> str:
+    """The server's CPU µs per request, each side's median, and the per-round ratios new/old."""
+    old, new = p.median("old", "server_cpu_us"), p.median("new", "server_cpu_us")
+    if old is None or new is None:
+        return "—"
+    med, rng = ratio_cells(p.cpu_ratios())
+    return f"{old:,.0f} → {new:,.0f}, {med}" + ("" if rng in ("—", "(1 round)") else f" ({rng})")
+
+
 def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc: str, durations: dict,
                  name: str = "refactor_ab") -> Path:
     md, png, raw = report.result_files(name, run.settings.quick)
@@ -335,8 +352,9 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
         unit, lat = pts[0].unit, pts[0].latency
         lines += [f"## {title_g}", "",
                   f"| point | old {unit} | new {unit} | new/old median | new/old min–max | per round | "
-                  f"old {lat} | new {lat} | {lat} new/old median (min–max) | reading |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"old {lat} | new {lat} | {lat} new/old median (min–max) | "
+                  "server CPU µs/req old → new, new/old median (min–max) | reading |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in pts:
             med, rng = ratio_cells(p.ratios())
             lmed, lrng = ratio_cells(p.latency_ratios())
@@ -345,7 +363,7 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
                          f"{_side_cell(p, 'new', 'tput', fmt_rate)} | {med} | {rng} | {_rounds_cell(p)} | "
                          f"{_side_cell(p, 'old', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
                          f"{_side_cell(p, 'new', 'p50_ms', lambda v: fmt_ms(v * 1000) if v else '—')} | "
-                         f"{lat_cell} | {ratio_reading(p.ratios())} |")
+                         f"{lat_cell} | {_cpu_cell(p)} | {ratio_reading(p.ratios())} |")
         lines.append("")
     if run.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in run.notes], ""]

@@ -38,6 +38,8 @@ class Point:
     stable: bool = True
     errors: int = 0
     client_cpu: float | None = None  # load generator CPU use, fraction of one core
+    server_cpu_us: float | None = None  # the server's CPU time per answered request (bench/server_cpu.py)
+    server_cpu_counted: str = ""  # what counted the requests: "statistics" (the server's) or "throughput"
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -64,7 +66,9 @@ def median_point(points: list[Point]) -> Point | None:
                     avg_us=None if a.avg_us is None or b.avg_us is None else (a.avg_us + b.avg_us) / 2,
                     count=(a.count or 0) + (b.count or 0), errors=a.errors + b.errors,
                     client_cpu=None if a.client_cpu is None or b.client_cpu is None
-                    else (a.client_cpu + b.client_cpu) / 2)
+                    else (a.client_cpu + b.client_cpu) / 2,
+                    server_cpu_us=None if a.server_cpu_us is None or b.server_cpu_us is None
+                    else (a.server_cpu_us + b.server_cpu_us) / 2, server_cpu_counted=a.server_cpu_counted)
     else:
         mid = Point(**{**asdict(mid), "extra": {}})
     mid.stable = all(p.stable for p in points)

@@ -78,6 +78,9 @@ def _table(g: Group) -> list[str]:
     ratio_heads = [f"vs {r}" for r in g.refs]
     head = [g.x_name, "server", g.unit, "p50 ms", "p90 ms", "p99 ms", *ratio_heads]
     any_rounds = any(len(v) > 1 for v in g.data.values())
+    any_cpu = any(p.server_cpu_us is not None for v in g.data.values() for p in v)
+    if any_cpu:
+        head.append("server CPU µs/req")
     if any_rounds:
         head.append("rounds")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -94,11 +97,24 @@ def _table(g: Group) -> list[str]:
             for r in g.refs:
                 ratio = g.ratio(s, x, r) if s != r and s.startswith(g.subject) else None
                 cells.append(f"{ratio:.2f}×" if ratio else "")
+            if any_cpu:
+                cells.append(_cpu_cell(g.data.get((s, x), [])))
             if any_rounds:
                 rounds = p.extra.get("rounds", [])
                 cells.append(" / ".join(fmt_rate(v) for v in rounds) if len(rounds) > 1 else "")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _cpu_cell(points: list[Point]) -> str:
+    """The server's CPU µs per request: the rounds' median, with their min–max when several
+    (`*`: counted from the throughput, the server keeping no statistics)."""
+    vals = sorted(p.server_cpu_us for p in points if p.server_cpu_us is not None)
+    if not vals:
+        return ""
+    mark = "*" if any(p.server_cpu_counted == "throughput" for p in points) else ""
+    cell = f"{statistics.median(vals):,.0f}{mark}"
+    return cell + (f" ({vals[0]:,.0f}–{vals[-1]:,.0f})" if len(vals) > 1 else "")
 
 
 def ratio_cells(ratios: list[float]) -> tuple[str, str]:
