@@ -26,6 +26,7 @@ import numpy as np
 from bench import report
 from bench.common import Settings, log, temp_dir
 from bench.measure import Point, perf_analyzer_point
+from bench.server_cpu import metered
 from bench.servers import Server, Servers, measure, round_order, start_pier, triton_reference_starter
 from bench.tools import perf_analyzer
 
@@ -153,14 +154,15 @@ def run(settings: Settings) -> Path:
                                 return client_point(s, p, c, n, settings)
                             url = s.http if p == "http" else s.grpc
                             assert url is not None
-                            return perf_analyzer_point(pa, settings, MODEL, url, p, c,
-                                                       ["--shape", f"INPUT0:{n}"], lb)
+                            return metered(s, MODEL, lambda: perf_analyzer_point(
+                                pa, settings, MODEL, url, p, c, ["--shape", f"INPUT0:{n}"], lb))
 
                         pt = measure(srv, one, label, notes)
                         if pt is None:
                             continue
+                        cpu = f", server CPU {pt.server_cpu_us:,.0f} µs/req" if pt.server_cpu_us else ""
                         log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.2f} ms "
-                            f"p99 {pt.p99_us / 1000:.2f} ms{'' if pt.stable else ' (unstable)'}")
+                            f"p99 {pt.p99_us / 1000:.2f} ms{cpu}{'' if pt.stable else ' (unstable)'}")
                         group.add(name, c, pt)
 
     # The default's rule (issue 22): the isolation may cost at most 30 % of in-process throughput on the
@@ -168,6 +170,9 @@ def run(settings: Settings) -> Path:
     # Python frontends are slower than Triton's C++ ones even in-process.
     targets = [group.target(f"{group.title.split(',')[0].split(' ')[0]} c={c}: Pier process ≥ 0.7× Pier in-process",
                             PROCESS, c, IN_PROCESS, 0.7) for group in groups[:2] for c in CONCURRENCY]
+    # Issue 30: the model in its stub at least as fast as Triton's python backend at c=8.
+    targets += [group.target(f"{group.title.split(',')[0].split(' ')[0]} c=8: Pier process ≥ 1.0× Triton 2.51",
+                             PROCESS, 8, TRITON, 1.0) for group in groups[:2]]
     spread_notes = []
     for group in groups:
         for c in CONCURRENCY:
@@ -188,7 +193,8 @@ def run(settings: Settings) -> Path:
         + ("perf_analyzer 2.51 (sync, batch 1, random data)." if pa is not None else
            "tritonclient loops (perf_analyzer was not available)."),
         "Latency: the c=1 rows (p50/p99); throughput: the c=8 rows. The `vs` columns are Pier-row ratios "
-        "(median of the per-round ratios).",
+        "(median of the per-round ratios). `server CPU µs/req`: every process of the server (the stubs too) "
+        "per request its statistics counted (bench/server_cpu.py).",
     ]
     return report.write("python_backend_process", "Python backend: stub process vs in-process vs Triton 2.51",
                         settings, groups, targets, intro, notes + spread_notes, started)
