@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import ROOT, PierProcess
+from tests.conftest import ROOT, PierProcess, start_pier
 from tests.e2e import chromium
 
 EXAMPLES = ROOT / "model_repository"
@@ -58,13 +58,40 @@ def test_docs_render_with_no_network(examples: PierProcess, tmp_path: Path) -> N
     asyncio.run(drive())
 
 
+# 503 is Triton's answer for a model that is not ready (the fuzzer unloads models): not a server error
+_NOT_A_SERVER_ERROR = """
+[checks.not_a_server_error]
+expected-statuses = ["2xx", "3xx", "4xx", "503"]
+"""
+
+
+def _fuzz(base: str, tmp_path: Path, config: str, seconds: int, *args: str) -> int:
+    """schemathesis against the live server at `base` for at most `seconds`, driven by its document:
+    no 5xx, no request over 20 s, every status, content type and body as documented. The cases run."""
+    report = tmp_path / "report.ndjson"
+    (tmp_path / "schemathesis.toml").write_text(config + _NOT_A_SERVER_ERROR)
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
+           f"{base}/openapi.json",
+           "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
+                       "response_schema_conformance",
+           "--max-time", str(seconds), "--request-timeout", "20", "--workers", "1",
+           "--max-examples", "25", "--generation-deterministic", "--no-color", "--phases", "examples,coverage,fuzzing",
+           "--report", "ndjson", "--report-ndjson-path", str(report), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, cwd=tmp_path)
+    out = run.stdout + run.stderr
+    cases = _cases(report)
+    print(f"schemathesis: {cases} cases\n{out[-3000:]}")
+    assert run.returncode == 0, out[-12000:]
+    assert requests.get(f"{base}/v2/health/live", timeout=10).status_code == 200
+    return cases
+
+
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(examples: PierProcess, tmp_path: Path) -> None:
-    report = tmp_path / "report.ndjson"
     # Half the model names and versions it tries are the served ones (the rest random): requests then
     # reach the models, the repository API and the statistics, not only the unknown-model errors.
     names = ", ".join(f'"{n}"' for n in sorted(p.name for p in EXAMPLES.iterdir()))
-    (tmp_path / "schemathesis.toml").write_text(f"""
+    config = f"""
 [dictionaries.models]
 values = [{names}]
 [dictionaries.versions]
@@ -72,24 +99,25 @@ values = ["1"]
 [parameters]
 "path.model" = {{ dictionary = "models", probability = 0.5 }}
 "path.version" = {{ dictionary = "versions", probability = 0.5 }}
-# 503 is Triton's answer for a model that is not ready (the fuzzer unloads models): not a server error
-[checks.not_a_server_error]
-expected-statuses = ["2xx", "3xx", "4xx", "503"]
-""")
-    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
-           f"{examples.base()}/openapi.json",
-           "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
-                       "response_schema_conformance",
-           "--max-time", str(FUZZ_SECONDS), "--request-timeout", "20", "--workers", "1", "--seed", "32",
-           "--max-examples", "25", "--generation-deterministic", "--no-color", "--phases", "examples,coverage,fuzzing",
-           "--report", "ndjson", "--report-ndjson-path", str(report)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp_path)
-    out = run.stdout + run.stderr
-    cases = _cases(report)
-    print(f"schemathesis: {cases} cases\n{out[-3000:]}")
-    assert run.returncode == 0, out[-12000:]
-    assert cases >= 200, out[-3000:]
-    assert requests.get(f"{examples.base()}/v2/health/live", timeout=10).status_code == 200
+"""
+    assert _fuzz(examples.base(), tmp_path, config, FUZZ_SECONDS) >= 200
+
+
+@pytest.mark.llm
+@pytest.mark.slow
+def test_schemathesis_on_the_openai_routes_of_a_served_llm(tmp_path: Path) -> None:
+    """The OpenAI and vLLM routes with a real (tiny, random-weight) LLM behind them: every body
+    names the served model, so the fuzzer's sampling settings, prompts and messages reach it."""
+    from tests.backends.llm.tiny_model import build_model
+
+    folder = build_model(tmp_path / "tiny-chat", "llama")
+    server = start_pier([], str(folder), log_path=tmp_path / "pier.log", timeout=120)
+    try:
+        cases = _fuzz(server.base(), tmp_path, '[parameters]\n"body.model" = "tiny-chat"\n', 60,
+                      "--include-path-regex", "^/(v1/|tokenize|detokenize)")
+        assert cases >= 100
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def _cases(report: Path) -> int:

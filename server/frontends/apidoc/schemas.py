@@ -110,7 +110,8 @@ SCHEMAS: dict[str, Schema] = {
                                      embedding={"oneOf": [array(NUMBER), STRING]}))),
     "TokenizeRequest": {**obj(("model",), model=STRING, prompt=STRING, messages=array(ANY_OBJECT),
                               add_special_tokens=BOOL), "additionalProperties": True},
-    "Tokens": obj(("tokens", "count"), tokens=array(INT), count=INT, max_model_len=INT, token_strs=array(STRING)),
+    "Tokens": obj(("tokens", "count"), tokens=array(INT), count=INT, max_model_len=INT,
+                  token_strs={**array(STRING), "nullable": True}),  # null unless asked for (vLLM's)
     "DetokenizeRequest": obj(("model", "tokens"), model=STRING, tokens=array(INT)),
     "Text": obj(("prompt",), prompt=STRING),
     "Version": obj(("version",), version=STRING),
