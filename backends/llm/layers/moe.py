@@ -47,8 +47,10 @@ class FusedMoE:
     def use_kernels(self, ops: object) -> None:
         self.act.use_kernels(ops)
 
-    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Add the experts' weighted outputs for x [N, hidden] into `residual` (in place) and return it."""
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Add the experts' weighted outputs for x [N, hidden] (and `shared`, a shared expert's gated
+        output, Qwen2-MoE's) into `residual` (in place) and return it."""
         assert self.w13 is not None and self.w2 is not None, f"{self.name}: not loaded"
         probs = torch.softmax(router_logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -69,4 +71,6 @@ class FusedMoE:
             out = torch.mm(self.act(torch.mm(picked[rows], self.w13[e])), self.w2[e])
             total.index_add_(0, tokens[rows], (out * scale[rows]).to(total.dtype))
             start += count
+        if shared is not None:
+            total.add_(shared)
         return residual.add_(total)

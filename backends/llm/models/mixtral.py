@@ -71,7 +71,10 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         """The residual stream with this layer's attention and MLP outputs added (in place)."""
         x = self.input_layernorm(h)
         h = self.o_proj(self.attn(self.qkv_proj(x), positions, rotations, kv_cache, meta), residual=h)
-        x = self.post_attention_layernorm(h)
+        return self.mlp(self.post_attention_layernorm(h), h)
+
+    def mlp(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream `h` with the MLP's output for `x` (its normed input) added."""
         if self.moe is None:
             return self.down_proj(self.act(self.gate_up_proj(x)), residual=h)
         return self.moe(x, self.router(x), residual=h)

@@ -165,3 +165,14 @@ def test_qwen3_moe_sparse_and_dense_layers(tmp_path, long_prompts, norm_topk_pro
         (folder / "config.json").write_text(json.dumps(raw))
     eng = assert_equals_transformers(folder, long_prompts)
     assert [layer.moe is not None for layer in eng.model.layers] == [True, False, True]
+
+
+def test_qwen2_moe_adds_its_gated_shared_expert(tmp_path, long_prompts):
+    """Qwen2-MoE: 2 of 4 routed experts plus a shared expert of width 48 behind a sigmoid gate,
+    q/k/v biases, layer 1 dense."""
+    folder = build_model(tmp_path / "qwen2_moe", "qwen2_moe", seed=20, num_hidden_layers=3, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         mlp_only_layers=[1])
+    eng = assert_equals_transformers(folder, long_prompts)
+    assert [layer.shared is not None for layer in eng.model.layers] == [True, False, True]
+    assert eng.model.layers[0].qkv_proj.bias is not None

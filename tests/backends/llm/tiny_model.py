@@ -61,6 +61,7 @@ def build_model(folder: Path, arch: str = "llama", seed: int = 0, shard_size: st
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
