@@ -17,6 +17,8 @@ from typing import Any
 
 from pier.contract.backend import MAX_THREADS
 
+from .spec_decode import SpeculativeConfig
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
@@ -85,6 +87,8 @@ class SchedulerConfig:
     # ties by arrival), and the preemption victim is the lowest priority, latest arrival (vLLM's).
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    # vLLM's speculative_config (JSON; spec_decode.py): n-gram drafts verified K + 1 positions a pass
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in _PREEMPTION_MODES:
@@ -180,6 +184,12 @@ class EngineConfig:
             if name not in _GROUP_OF:
                 continue
             text = str(raw).strip()
+            if name == "speculative_config":  # its own messages name the bad field
+                try:
+                    kwargs[name] = SpeculativeConfig.from_json(text)
+                except ValueError as exc:
+                    raise ValueError(f"parameter {exc}") from None
+                continue
             try:
                 kwargs[name] = _parse(name, text)
             except ValueError:

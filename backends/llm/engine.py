@@ -30,6 +30,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import GrammarBitmask, SchedulerOutput
+from .spec_decode import NgramProposer
 from .structured import GrammarCompiler, grammar_bitmask
 from .tokenizer import Tokenizer
 
@@ -98,7 +99,9 @@ class LLMEngine:
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.runner = ModelRunner(self.model, cache.block_size, num_blocks, self.kv.cpu_pool.num_blocks, self.eos_ids,
                                   None if ops is None else ops.paged_decode_attention)
-        self.scheduler = Scheduler(cfg, self.kv)
+        spec = sched.speculative_config
+        self.scheduler = Scheduler(cfg, self.kv,
+                                   None if spec is None else NgramProposer(spec, self.max_model_len).propose)
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
         self.generation_defaults = _generation_defaults(folder) if model.generation_config == "auto" else {}
         self.inputs = InputProcessor(self.tokenizer, self.grammars, self.max_model_len, mc.vocab_size,
@@ -165,7 +168,11 @@ class LLMEngine:
             return []
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_blocks - self.kv.pool.num_free)
         out = self.runner.execute(so, self._grammar_bitmask(so))
-        return self.outputs.process(so, out)
+        outs = self.outputs.process(so, out)
+        for s in so.scheduled:
+            if s.draft_token_ids and (seq := self.outputs.running(s.seq_id)) is not None:
+                self.scheduler.rollback(seq)  # the rejected drafts' KV goes back
+        return outs
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> GrammarBitmask | None:
         """What each sampling sequence's grammar allows now (structured output), computed here, where
@@ -197,6 +204,7 @@ class LLMEngine:
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=s["preemptions"],
             prompt_tokens=self._prompt_tokens, generation_tokens=self.outputs.generation_tokens,
             num_blocks=self.kv.pool.num_blocks, peak_blocks_used=self._peak_blocks,
+            spec_decode=None if self.config.scheduler.speculative_config is None else self.runner.spec_stats.copy(),
         )
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

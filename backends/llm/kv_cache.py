@@ -214,9 +214,19 @@ class KVCacheManager:
         need = -(-(num_computed + num_new) // bs) - len(sb.blocks)
         if need > 0:
             sb.blocks.extend(self.pool.allocate(need))
-        if self.caching:
-            self._register_full(sb, token_ids, (num_computed + num_new) // bs)
+        if self.caching:  # only blocks of known tokens (never of speculative drafts) get a prefix hash
+            self._register_full(sb, token_ids, min(num_computed + num_new, len(token_ids)) // bs)
         return copies
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Keep the blocks of the sequence's first `num_tokens` tokens, release the rest (the KV
+        of rejected speculative tokens)."""
+        sb = self.seqs[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        if len(sb.blocks) > keep:
+            self.pool.release(reversed(sb.blocks[keep:]))
+            del sb.blocks[keep:]
+            del sb.keys[keep:]
 
     def _register_full(self, sb: SeqBlocks, token_ids: Sequence[int], num_full: int) -> None:
         bs = self.block_size

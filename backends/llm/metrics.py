@@ -140,6 +140,17 @@ class LLMMetrics:
             ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens),
         ):
             family(name, "counter", help_text, [f"{name}_total{{{labels}}} {value}\n"])
+        if s.spec_decode is not None:  # vLLM's spec_decode counters (with a speculative_config)
+            sd = s.spec_decode
+            for name, help_text, value in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sd.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", sd.num_accepted_tokens),
+            ):
+                family(name, "counter", help_text, [f"{name}_total{{{labels}}} {value}\n"])
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+            family(name, "counter", "Accepted tokens per draft position.",
+                   [f'{name}_total{{{labels},position="{i}"}} {v}\n' for i, v in enumerate(sd.accepted_per_pos)])
         family("vllm:request_success", "counter", "Count of successfully processed requests.",
                [f'vllm:request_success_total{{{labels},finished_reason="finished"}} {self.requests_ok}\n',
                 f'vllm:request_success_total{{{labels},finished_reason="abort"}} {self.requests_aborted}\n'])

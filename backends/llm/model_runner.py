@@ -17,6 +17,7 @@ from .models.interface import CausalLM, KVCacheSpec
 from .outputs import ModelRunnerOutput, PromptLogprobs
 from .sampler import SamplingState, sample
 from .scheduler_output import GrammarBitmask, ScheduledSeq, SchedulerOutput
+from .spec_decode import SpecDecodeStats, verify
 
 # A decode group closes when the next (longer) sequence needs this many times the blocks of the
 # group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
@@ -39,6 +40,7 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}  # seq id -> its sampler state
         self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
         self.block_size = block_size
+        self.spec_stats = SpecDecodeStats()
         specs = model.kv_cache_specs()
         self.kv_caches = [self._cache(s, num_blocks, model.device) for s in specs]
         self.cpu_caches = [self._cache(s, num_cpu_blocks, torch.device("cpu"), pin=model.device.type == "cuda")
@@ -97,10 +99,22 @@ class ModelRunner:
             masked = ([at[parent_of.get(seq_ids[i], seq_ids[i])] for i in sampled if states[i].structured],
                       grammar.bitmask)
         results = sample(logits, picked, self.eos_ids, masked)
-        out.seq_ids = [seq_ids[i] for i in sampled]
-        out.sampled_token_ids = [r.token_id for r in results]
-        out.logprobs = [(r.logprob, r.top_logprobs) if st.params.logprobs is not None else None  # type: ignore[misc]
-                        for r, st in zip(results, picked)]
+        per_entry = [[r] for r in results]
+        drafts = {s.seq_id: s.draft_token_ids for _, s in sampling if s.draft_token_ids}
+        if drafts:  # speculative decoding: accept the drafts the sampler agrees with
+            spec = [j for j, i in enumerate(sampled) if seq_ids[i] in drafts]
+            verified = verify([results[j] for j in spec], [drafts[seq_ids[sampled[j]]] for j in spec],
+                              [picked[j] for j in spec], [rows[sampled[j]] for j in spec],
+                              lambda r: self.model.compute_logits(hidden[torch.tensor(r, device=dev)]),
+                              lambda lg, st: sample(lg, st, self.eos_ids), self.spec_stats)
+            for j, tokens in zip(spec, verified):
+                per_entry[j] = tokens
+        for i, tokens, st in zip(sampled, per_entry, picked):  # a sequence's tokens in order
+            want_lp = st.params.logprobs is not None
+            for r in tokens:
+                out.seq_ids.append(seq_ids[i])
+                out.sampled_token_ids.append(r.token_id)
+                out.logprobs.append((r.logprob, r.top_logprobs) if want_lp else None)  # type: ignore[arg-type]
         return out
 
     def _forward(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, ScheduledSeq]],
@@ -146,8 +160,8 @@ class ModelRunner:
                                            prefix_causal_mask(s.start_pos, n, dev)))
             else:
                 chunks.append(PrefillChunk(start, n, 0, None, None))
-            if s.sample:
-                sampling.append((len(ids) - 1, s))
+            if s.sample:  # the row of the last known token (drafts follow it)
+                sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
         hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),

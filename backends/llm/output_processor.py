@@ -47,6 +47,13 @@ class OutputProcessor:
         rid, index = sid.rsplit("#", 1)
         return self.requests[rid][int(index)]
 
+    def running(self, sid: str) -> SequenceState | None:
+        """The sequence, unless it has finished (its request may be gone)."""
+        rid, index = sid.rsplit("#", 1)
+        seqs = self.requests.get(rid)
+        seq = seqs[int(index)] if seqs is not None else None
+        return None if seq is None or seq.finished else seq
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         seqs = self.requests.pop(request_id, None) or []
         outs = []
@@ -69,8 +76,17 @@ class OutputProcessor:
                 self._fork(self.seq(s.seq_id), s.forks)
         outs = [self._pooled(self.seq(sid), vector) for sid, vector in out.pooled.items()]
         now = time.monotonic()
+        last: RequestOutput | None = None
         for sid, tok, lp in zip(out.seq_ids, out.sampled_token_ids, out.logprobs):
-            outs.append(self._append_token(self.seq(sid), tok, lp, now))
+            live = self.running(sid)
+            if live is None:  # speculative tokens after the one that ended the sequence
+                continue
+            o = self._append_token(live, tok, lp, now)
+            if last is not None and (last.request_id, last.index) == (o.request_id, o.index):
+                outs[-1] = last = _merged(last, o)  # several tokens of one sequence in one step: one output
+            else:
+                outs.append(o)
+                last = o
         return outs
 
     def _fork(self, parent: SequenceState, forks: list[tuple[str, int]]) -> None:
@@ -137,3 +153,11 @@ class OutputProcessor:
             prompt_logprobs=prompt_lp,  # type: ignore[arg-type]
             prompt_ids=seq.prompt_ids if logprobs is not None and seq.num_output == len(new_ids) else None,
         )
+
+
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one sequence as one (deltas joined; the later one's state)."""
+    return dataclasses.replace(
+        b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+        logprobs=None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs,
+        prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs, prompt_ids=a.prompt_ids or b.prompt_ids)

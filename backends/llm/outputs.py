@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .spec_decode import SpecDecodeStats
+
 SampleLogprobs = tuple[float, dict[int, float] | None]  # the chosen token's logprob, the top alternatives
 
 
@@ -85,4 +87,5 @@ class EngineStats:
     generation_tokens: int  # vllm:generation_tokens_total
     num_blocks: int = 0
     peak_blocks_used: int = 0
+    spec_decode: SpecDecodeStats | None = None  # vllm:spec_decode_* (with speculative_config)
     extra: dict[str, float] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 
 from .config import EngineConfig
 from .kv_cache import KVCacheManager
@@ -29,9 +30,13 @@ from .scheduler_output import NewSequence, ScheduledSeq, SchedulerOutput
 class Scheduler:
     """Owns the waiting / running / swapped queues and the KV block accounting."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 propose: Callable[[SequenceState], list[int]] | None = None) -> None:
+        """`propose`: speculative decoding's draft hook (spec_decode.NgramProposer.propose): draft
+        tokens for a sequence about to decode, scheduled with its last token when they fit."""
         self.config = config.scheduler
         self.kv = kv
+        self.propose = propose
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.swapped: deque[SequenceState] = deque()
@@ -103,9 +108,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = len(seq.token_ids) - seq.num_computed
+            drafts: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
-                num_new = 1
+                if self.propose is not None:  # the drafts take what the budget leaves past one per decode
+                    drafts = self.propose(seq)[: max(budget - decodes_left - 1, 0)]
+                num_new = 1 + len(drafts)
             else:
                 num_new = min(remaining, budget - decodes_left)
                 if num_new <= 0:
@@ -114,6 +122,9 @@ class Scheduler:
             copies = None
             while copies is None:
                 copies = self.kv.allocate(seq.seq_id, seq.token_ids, seq.num_computed, num_new)
+                if copies is None and drafts:  # short of blocks: decode without drafts before preempting
+                    drafts, num_new = [], 1
+                    continue
                 if copies is None:
                     # the most recently admitted (not yet scheduled this step), or by priority the
                     # lowest priority, latest arrival among those
@@ -127,10 +138,17 @@ class Scheduler:
             if copies is None:
                 break
             out.blocks_to_copy.extend(copies)
-            self._emit(seq, num_new, out)
+            self._emit(seq, num_new, out, drafts)
             budget -= num_new
             i += 1
         return budget
+
+    def rollback(self, seq: SequenceState) -> None:
+        """After a step that verified drafts of `seq`: its KV is valid up to its last token (the one
+        sampled this step is computed next step); the blocks past that go back to the pool."""
+        if seq.status is SeqStatus.RUNNING and seq.num_computed >= len(seq.token_ids):
+            seq.num_computed = len(seq.token_ids) - 1
+            self.kv.truncate(seq.seq_id, seq.num_computed)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Before the step: while the best waiting request cannot get a seat or its prompt's blocks,
@@ -201,18 +219,20 @@ class Scheduler:
             self._emit(seq, num_new, out)
             budget -= num_new
 
-    def _emit(self, seq: SequenceState, num_new: int, out: SchedulerOutput) -> None:
+    def _emit(self, seq: SequenceState, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         start = seq.num_computed
-        sample = start + num_new == len(seq.token_ids)
+        drafts = drafts or []
+        sample = start + num_new - len(drafts) == len(seq.token_ids)
         out.scheduled.append(
             ScheduledSeq(
                 seq_id=seq.seq_id,
-                token_ids=seq.token_ids[start : start + num_new],
+                token_ids=seq.token_ids[start : start + num_new] + drafts,
                 start_pos=start,
                 block_table=list(self.kv.block_table(seq.seq_id)),
                 sample=sample,
                 prompt_logprobs=seq.wants_prompt_logprobs and start < seq.num_prompt,
                 forks=seq.fork_ids if sample else [],
+                draft_token_ids=drafts,
             )
         )
         seq.num_computed = start + num_new

@@ -37,6 +37,9 @@ class ScheduledSeq:
     # n > 1: (seq id, index) of the children that sample their first token from this row too, after
     # this sequence (they share its prompt; the runner starts their sampler state from its own)
     forks: list[tuple[str, int]] = field(default_factory=list)
+    # speculative decoding: the last `len(draft_token_ids)` of token_ids are drafts (spec_decode.py),
+    # verified in this pass; the sampling starts at the row of the last known token
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
