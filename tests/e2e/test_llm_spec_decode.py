@@ -31,7 +31,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (repo / "spec_llama" / "config.pbtxt").write_text(CONFIG % SPEC)
     for name, spec in (("bad_lookup", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, '
                                       '"prompt_lookup_max": 2}'),
-                       ("no_k", '{"method": "ngram"}'),
                        ("draft", '{"model": "/models/smaller", "num_speculative_tokens": 3}')):
         build_model(repo / name / "1", "llama")
         (repo / name / "config.pbtxt").write_text(CONFIG % spec)
@@ -82,6 +81,5 @@ def test_bad_speculative_config_fails_that_load_with_the_field(server: PierProce
                                                          timeout=10).json()}
     assert index["spec_llama"]["state"] == "READY"
     for name, words in (("bad_lookup", "speculative_config: prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
-                        ("no_k", "speculative_config: num_speculative_tokens is required"),
                         ("draft", "speculative_config: method 'draft_model'")):
         assert index[name]["state"] == "UNAVAILABLE" and words in index[name]["reason"], index[name]
