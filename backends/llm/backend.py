@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from pier.backends.llm import degrade
 from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
 from pier.backends.llm.metrics import LLMMetrics
 from pier.contract import llm
-from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance
+from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance, Overload
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
 from pier.contract.llm import INPUTS, OUTPUTS
 from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs, Tensor
@@ -141,6 +142,7 @@ class LLMInstance(ModelInstance):
                               f"{', '.join(llm.TOOL_CALL_PARSERS)}")
         self._dead_error = EngineDeadError
         try:
+            self.watermark = degrade.Watermark(params, ctx.spec.name)
             in_process = EngineConfig.from_parameters(params, **overrides).parallel.engine_core == "thread"
             self.engine: EngineClient
             def on_progress(progress: LoadProgress) -> None:
@@ -162,6 +164,12 @@ class LLMInstance(ModelInstance):
         self._loop = ctx.services.event_loop
         self._tasks: set[asyncio.Task[None]] = set()  # the streams running (a task needs a reference)
         self.metrics = LLMMetrics(self.engine.max_model_len)
+        self.degrades = self.watermark.threshold is not None
+
+    def overload(self, request: InferenceRequest) -> Overload | None:
+        """Past the KV watermark (degrade.py): Retry-After is the mean time a request took here."""
+        e2e = self.metrics.e2e
+        return self.watermark.check(self.engine.stats().kv_cache_usage, request, e2e.total / e2e.n if e2e.n else 1)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -386,7 +394,8 @@ class LLMInstance(ModelInstance):
     # ---- metrics -------------------------------------------------------------------------
 
     def prometheus(self, model: str, version: str) -> str:
-        return self.metrics.render(self.engine.stats(), model, self.engine.cache_config_info())
+        return (self.metrics.render(self.engine.stats(), model, self.engine.cache_config_info())
+                + self.watermark.render(model))
 
     def info(self) -> dict[str, Any]:
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser}
@@ -409,6 +418,10 @@ class LLMBackend(Backend):
             raise invalid_arg(f"LLM model '{model.spec.name}' must be decoupled "
                               "(model_transaction_policy { decoupled: true }; auto-complete sets it)")
         return LLMInstance(model, instance)
+
+    def configure(self, settings: dict[str, str]) -> tuple[str, ...]:
+        """--backend-config=llm,kv_cache_degrade_threshold=F: the default of every LLM model."""
+        return degrade.configure(settings)
 
 
 BACKEND = LLMBackend()

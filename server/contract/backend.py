@@ -148,6 +148,23 @@ class InstanceContext:
     device_id: int | None = None
 
 
+def _not_counted(action: str) -> None:
+    """Where an Overload's outcome goes when the instance does not count them."""
+
+
+@dataclass(frozen=True)
+class Overload:
+    """Why an instance should start no new request now (an LLM's KV cache past its degrade
+    threshold), and what to do instead: serve it with the model `fallback` ("": refuse it with
+    UNAVAILABLE and Retry-After `retry_after` whole seconds). Requests already running are not
+    touched. The data plane calls `count("fallback" | "refused")` once it acted."""
+
+    reason: str
+    retry_after: int = 1
+    fallback: str = ""
+    count: Callable[[str], None] = _not_counted
+
+
 class ModelInstance(abc.ABC):
     """One loaded copy of a model that executes batches.
 
@@ -160,6 +177,9 @@ class ModelInstance(abc.ABC):
 
     may_run_on_event_loop: ClassVar[bool] = True
     unbatched: ClassVar[bool] = False
+    # True when overload() may say something: the data plane asks only these (one attribute read
+    # per request for every other model)
+    degrades: bool = False
 
     @abc.abstractmethod
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
@@ -171,6 +191,11 @@ class ModelInstance(abc.ABC):
     def prometheus(self, model: str, version: str) -> str:
         """Extra Prometheus text (whole families) this instance exports; "" for none."""
         return ""
+
+    def overload(self, request: InferenceRequest) -> Overload | None:
+        """Asked (when `degrades`) before the new `request` is routed here: None admits it; an
+        Overload turns it away (see Overload). Cheap: it runs on the server's event loop."""
+        return None
 
     def info(self) -> dict[str, Any]:
         """Facts a frontend may report about the loaded model (the LLM's max_model_len for the

@@ -35,11 +35,13 @@ def printable(text: str) -> str:
 class PierError(Exception):
     """An error with a code the frontends know how to report. The message is user-facing."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, retry_after: int | None = None) -> None:
         message = printable(message)
         super().__init__(message)
         self.code = code
         self.message = message
+        # whole seconds after which trying again may succeed (HTTP's Retry-After); None: not said
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
         return f"PierError({self.code.name}, {self.message!r})"
@@ -53,8 +55,8 @@ def not_found(message: str) -> PierError:
     return PierError(ErrorCode.NOT_FOUND, message)
 
 
-def unavailable(message: str) -> PierError:
-    return PierError(ErrorCode.UNAVAILABLE, message)
+def unavailable(message: str, retry_after: int | None = None) -> PierError:
+    return PierError(ErrorCode.UNAVAILABLE, message, retry_after)
 
 
 def unsupported(message: str) -> PierError:

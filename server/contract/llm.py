@@ -49,6 +49,9 @@ from __future__ import annotations
 
 BACKEND_NAME = "llm"  # the backend's name in a model's config (backend: "llm")
 INFO_MAX_MODEL_LEN = "max_model_len"  # an instance's info(): the context length, in tokens
+# A request an overloaded model handed to its fallback (kv_cache_degrade_threshold, fallback_model):
+# the answer names the model that answered, this header the one asked
+FALLBACK_FROM_HEADER = "x-pier-fallback-from"
 INFO_TOOL_CALL_PARSER = "tool_call_parser"  # ... and how tool calls are found in its text (None: no parser)
 # The config.pbtxt parameter `tool_call_parser` takes vLLM's names of these formats.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")

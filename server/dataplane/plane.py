@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 from pier import __version__
 from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
 from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, Outputs, RequestedOutput, Tensor
+from pier.dataplane import degrade
 from pier.dataplane.response_cache import ResponseCache
 from pier.dataplane.shared_memory import SystemSharedMemory
 from pier.lifecycle.loaded_model import LoadedModel
@@ -214,8 +215,10 @@ class DataPlane:
     def _target(self, request: InferenceRequest, model: LoadedModel | None) -> LoadedModel:
         """The version this request runs on: the one its frontend resolved, else resolved now.
         While the server exits requests still run, as in Triton (its InferAsync allows them, so
-        that a sequence spanning requests completes): models unload only after the drain."""
-        return model if model is not None else self.resolve(request.model_name, request.model_version)
+        that a sequence spanning requests completes): models unload only after the drain. A model
+        that is overloaded hands it to its fallback or refuses it (dataplane/degrade.py)."""
+        model = model if model is not None else self.resolve(request.model_name, request.model_version)
+        return degrade.admit(model, request, self.resolve)
 
     def _begin(self, model: LoadedModel, request: InferenceRequest) -> int:
         key = next(self._keys)

@@ -277,6 +277,7 @@ class WireRequest(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
 class WireError(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=1):
     code: str
     message: str
+    retry_after: int | None = None
 
 
 class WireOutputs(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=0):
@@ -334,7 +335,7 @@ def tensor_in(w: WireTensor | list[Any], mapping: Source) -> Tensor:
 
 
 def error_out(error: PierError) -> WireError:
-    return WireError(error.code.value, error.message)
+    return WireError(error.code.value, error.message, error.retry_after)
 
 
 def error_in(w: WireError) -> PierError:
@@ -342,7 +343,7 @@ def error_in(w: WireError) -> PierError:
         code = ErrorCode(w.code)
     except ValueError:
         code = ErrorCode.INTERNAL
-    return PierError(code, w.message)
+    return PierError(code, w.message, w.retry_after)
 
 
 def result_out(result: Outputs | PierError | None, packer: Packer) -> WireResult | None:

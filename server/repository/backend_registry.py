@@ -25,7 +25,7 @@ _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("pytorch", "pytorch_libtorch", "pier.backends.pytorch.backend", "model.pt"),
     BackendEntry("tensorrt", "tensorrt_plan", "pier.backends.tensorrt.backend", "model.plan"),
     BackendEntry("python", "", "pier.backends.python.backend", "model.py", takes_settings=True),
-    BackendEntry("llm", "", "pier.backends.llm.backend", "config.json"),  # a Hugging Face folder
+    BackendEntry("llm", "", "pier.backends.llm.backend", "config.json", takes_settings=True),  # a Hugging Face folder
 )
 # Ensembles have a platform and no backend: the server schedules their steps itself.
 ENSEMBLE = BackendEntry("", "ensemble", "", "")

@@ -91,6 +91,10 @@ def test_chart_lints_and_every_rendering_validates(tools, tmp_path: Path) -> Non
         if tools["crd-validate"]:
             crs = _run([tools["crd-validate"], str(path)])
             assert crs.returncode == 0, (name, crs.stdout, crs.stderr)
+    # the LLMs degrade at 90 % of their KV cache by default (the chart's llm values); 0 turns it off
+    flag = "--backend-config=llm,kv_cache_degrade_threshold=0.9"
+    assert flag in _render(tools) and flag not in _render(tools, "--set", "llm.kvCacheDegradeThreshold=0")
+    assert _run([tools["helm"], "template", "t", str(CHART), "--set", "llm.kvCacheDegradeThreshold=1.5"]).returncode
     # a misspelt field fails: in a values override, and in a core kind
     assert _run([tools["helm"], "template", "t", str(CHART), "--set", "image.tagg=x"]).returncode != 0
     deploy = tmp_path / "bad-deploy.yaml"
@@ -206,7 +210,10 @@ def test_dashboards_are_grafana_json_and_ship_in_the_chart(tools, tmp_path: Path
         assert p.read_bytes() == (DASHBOARDS / p.name).read_bytes(), p
     assert len({b["uid"] for b in boards.values()}) == len({b["title"] for b in boards.values()}) == len(boards)
     ds = {"type": "prometheus", "uid": "${datasource}"}
-    kv_alert = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]["kvCacheUsageAlert"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    kv_alert = values["metrics"]["prometheusRule"]["kvCacheUsageAlert"]
+    kv_degrade = values["llm"]["kvCacheDegradeThreshold"]  # the LLMs degrade above the alert: it warns first
+    assert 0 < kv_alert < kv_degrade <= 1
     for name, board in boards.items():
         assert re.fullmatch(r"[a-z0-9-]{1,40}", board["uid"]) and board["title"], name
         assert 36 <= board["schemaVersion"] <= 41 and board["id"] is None, name
@@ -237,9 +244,9 @@ def test_dashboards_are_grafana_json_and_ship_in_the_chart(tools, tmp_path: Path
                 for metric in _metric_names(t["expr"]):  # every selector scoped to Pier's scrape jobs
                     for m in re.finditer(rf"(?<![\w:]){re.escape(metric)}(?![\w:])(\{{[^}}]*\}})?", t["expr"]):
                         assert m[1] and 'job=~"$job"' in m[1], (name, panel["title"], t["expr"])
-            if any("vllm:kv_cache_usage_perc" in t["expr"] for t in panel["targets"]):  # the alert's threshold
+            if any("vllm:kv_cache_usage_perc" in t["expr"] for t in panel["targets"]):  # the alert and degrading
                 steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
-                assert kv_alert in [s["value"] for s in steps], (name, panel["title"], steps)
+                assert {kv_alert, kv_degrade} <= {s["value"] for s in steps}, (name, panel["title"], steps)
     # the chart: no ConfigMap by default; with grafana.dashboards.enabled, one that holds the files as they are
     assert not [d for d in _docs(_render(tools)) if d["kind"] == "ConfigMap"]
     (cm,) = [d for d in _docs(_render(tools, *VALUES["grafana"])) if d["kind"] == "ConfigMap"]

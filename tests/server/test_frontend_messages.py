@@ -110,3 +110,14 @@ def test_the_server_answers_a_request_it_cannot_read_with_the_reason(caplog: pyt
     with caplog.at_level(logging.ERROR, logger="pier.frontends"):
         asyncio.run(asyncio.wait_for(main(), 30))
     assert "frontend process 0: unreadable frontend-to-server message 'Infer'" in caplog.text
+
+
+def test_an_error_keeps_its_retry_after_across_the_channel() -> None:
+    """An overloaded model's refusal (UNAVAILABLE, retry after N s) reaches a frontend process whole,
+    so that its 503 carries Retry-After there too; an error without one stays without."""
+    from pier.contract.errors import unavailable
+
+    for sent in (unavailable("model 'm' is overloaded", retry_after=3), unavailable("gone")):
+        raw = msgspec.msgpack.encode(wire.error_out(sent))
+        got = wire.error_in(msgspec.msgpack.decode(raw, type=wire.WireError))
+        assert (got.code, got.message, got.retry_after) == (sent.code, sent.message, sent.retry_after)

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from pier.contract import llm
 from pier.contract.errors import ErrorCode, PierError, invalid_arg
 from pier.contract.types import InferenceRequest, InferenceResponse
 from pier.control.plane import ControlPlane
@@ -30,12 +31,19 @@ log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json(doc: object) -> web.Response:
-    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+def _json(doc: object, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=headers)
 
 
 def _empty(status: int) -> web.Response:
     return web.Response(status=status)
+
+
+def _fallback(asked: LoadedModel, answer: InferenceResponse | PierError) -> dict[str, str]:
+    """x-pier-fallback-from when an overloaded model's fallback answered (dataplane/degrade.py)."""
+    if isinstance(answer, PierError) or answer.model_name == asked.spec.name:
+        return {}
+    return {llm.FALLBACK_FROM_HEADER: asked.spec.name}
 
 
 def _version(request: web.Request) -> str:
@@ -158,7 +166,8 @@ class HttpHandlers:
         """One JSON answer. As in Triton, the model must produce exactly one response (a decoupled
         model's flag-only final does not count); a second one cancels the request."""
         answer = None
-        stream = self.plane.responses(*await self._generate_request(request))
+        generated, model = await self._generate_request(request)
+        stream = self.plane.responses(generated, model)
         try:
             async for item in stream:
                 if answer is not None:
@@ -170,12 +179,13 @@ class HttpHandlers:
             await stream.aclose()  # cancels the request if it is still producing
         if answer is None:
             raise invalid_arg("generate expects model to produce exactly 1 response, this model sent none")
-        return _json(generate.encode(answer))
+        return _json(generate.encode(answer), _fallback(model, answer))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events, one `data: {json}` per response; a refused request is an ordinary
         JSON error, a model's error `data: {"error": ...}` (as the first response: status 400)."""
-        stream = self.plane.infer_stream(*await self._generate_request(request))
+        generated, model = await self._generate_request(request)
+        stream = self.plane.infer_stream(generated, model)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
@@ -184,7 +194,7 @@ class HttpHandlers:
         # whose first response is an error answers 400 with that error as the stream's one event.
         reply = web.StreamResponse(status=400 if isinstance(first, PierError) else 200,
                                    headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                            "Cache-Control": "no-cache"})
+                                            "Cache-Control": "no-cache", **_fallback(model, first)})
         await reply.prepare(request)
         try:
             item: InferenceResponse | PierError = first

@@ -28,4 +28,7 @@ def error_response(status: int, message: str) -> web.Response:
 
 
 def from_error(exc: PierError) -> web.Response:
-    return error_response(http_status(exc.code), exc.message)
+    response = error_response(http_status(exc.code), exc.message)
+    if exc.retry_after is not None:  # an overloaded model: when to try again
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response

@@ -104,4 +104,4 @@ async def whole(call: Call, deltas: Deltas, first: Delta) -> web.Response:
     doc = {"id": call.ident, "object": call.endpoint.object, "created": call.created, "model": call.model,
            "choices": choices, "usage": {"prompt_tokens": call.prompt_tokens, "completion_tokens": total,
                                          "total_tokens": call.prompt_tokens + total}}
-    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+    return web.Response(body=orjson.dumps(doc), content_type="application/json", headers=call.headers)

@@ -39,7 +39,13 @@ class Call:
     role: str
     echo: list[str | None]  # per choice: its prompt's text (None: from the model, not yet known); [] without echo
     tools: Any = None  # chat: tools.ToolPlan, or None
+    asked: str = ""  # the model the request named, when an overloaded one handed it to `model` (its fallback)
     tool_state: dict[int, Any] = field(default_factory=dict)  # streamed tool calls: per choice
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The answer's own headers: x-pier-fallback-from when the fallback answered."""
+        return {llm.FALLBACK_FROM_HEADER: self.asked} if self.asked else {}
 
     def fill_echo(self, i: int, part: dict[str, Any]) -> None:
         """A token-id prompt's echo text, from the model's decoding of it (`part`: the prompt_logprobs

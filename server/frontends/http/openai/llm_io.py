@@ -16,7 +16,7 @@ from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOu
 from pier.dataplane.plane import DataPlane
 
 Delta = dict[str, Any]
-"""One response of one sequence: {index, text, finish_reason, stop_reason, prompt_tokens,
+"""One response of one sequence: {model (the one that answered), index, text, finish_reason, stop_reason, prompt_tokens,
 completion_tokens, logprobs, prompt_logprobs} (the two last: LOGPROBS documents, or None)."""
 
 
@@ -87,7 +87,8 @@ async def response_deltas(plane: DataPlane, request: InferenceRequest, keep_prom
             if as_ids:
                 lp_doc, prompt_part = (_as_ids(d) if d else d for d in (lp_doc, prompt_part))
             stop = got.get(llm.STOP_REASON)
-            yield {"index": int(got.get(llm.SEQUENCE_INDEX) or 0), "text": got.get(llm.TEXT_OUTPUT) or "",
+            yield {"model": item.model_name, "index": int(got.get(llm.SEQUENCE_INDEX) or 0),
+                   "text": got.get(llm.TEXT_OUTPUT) or "",
                    "finish_reason": got.get(llm.FINISH_REASON) or None,
                    "stop_reason": json.loads(stop) if stop else None,
                    "prompt_tokens": int(got.get(llm.NUM_INPUT_TOKENS) or 0),

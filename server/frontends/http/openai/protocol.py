@@ -41,8 +41,12 @@ def error(status: int, message: str, param: str | None = None) -> web.Response:
 
 
 def pier_error(exc: PierError) -> web.Response:
-    """An error from the data plane or the model, before anything was sent."""
-    return error(_CODE_STATUS.get(exc.code, 500), exc.message)
+    """An error from the data plane or the model, before anything was sent (an overloaded model's
+    refusal with its Retry-After)."""
+    response = error(_CODE_STATUS.get(exc.code, 500), exc.message)
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 def stream_error(exc: PierError) -> dict[str, Any]:

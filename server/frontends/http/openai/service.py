@@ -101,9 +101,11 @@ class OpenAIHandlers:
         n = int(sampling.get(llm.SAMPLING_N, 1))
         deltas = merge(list(zip(firsts, gens)), n)
         first = await anext(deltas)
-        call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), model,
+        answered = firsts[0]["model"] or model  # an overloaded model's fallback (dataplane/degrade.py)
+        call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), answered,
                     prompt_tokens=sum(f["prompt_tokens"] for f in firsts), choices=n * len(gens), per_prompt=n,
-                    role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))], tools=plan.tools)
+                    role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))], tools=plan.tools,
+                    asked=model if answered != model else "")
         if doc.get("stream"):
             options = doc.get("stream_options") or {}
             usage = bool(isinstance(options, dict) and options.get("include_usage"))

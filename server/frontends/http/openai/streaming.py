@@ -44,7 +44,7 @@ class _Chunks:
 async def stream(request: web.Request, call: Call, deltas: Deltas, first: Delta, include_usage: bool,
                  continuous_usage: bool) -> web.StreamResponse:
     reply = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                        "Cache-Control": "no-cache"})
+                                        "Cache-Control": "no-cache", **call.headers})
     await reply.prepare(request)
     out = _Chunks(call, reply, include_usage, continuous_usage)
     endpoint = call.endpoint
