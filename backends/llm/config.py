@@ -22,6 +22,9 @@ from .spec_decode import SpeculativeConfig
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
+# vLLM's kv_cache_dtype values; only "auto" (the model's dtype) is implemented: an FP8 cache (issue 34,
+# part 3) is refused at load rather than silently served in full precision
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 0
+    kv_cache_dtype: str = "auto"  # vLLM's setting; vllm:cache_config_info's cache_dtype label shows it
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not implemented in this "
+                             "engine yet; use 'auto' (the KV cache in the model's dtype)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -202,7 +212,7 @@ def _parse(name: str, text: str) -> object:
     if name in ("model_path",):
         return Path(text) if text else None
     if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config",
-                "engine_core"):
+                "engine_core", "kv_cache_dtype"):
         return text.lower()
     if name == "enable_prefix_caching":
         low = text.lower()

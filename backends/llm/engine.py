@@ -189,7 +189,7 @@ class LLMEngine:
         """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
         inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""
         cfg = self.config.cache
-        return {"block_size": str(cfg.block_size), "cache_dtype": self.config.model.dtype,
+        return {"block_size": str(cfg.block_size), "cache_dtype": cfg.kv_cache_dtype,
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),

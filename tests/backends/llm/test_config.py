@@ -29,10 +29,24 @@ def test_bad_parameters(params, word):
         EngineConfig.from_parameters(params)
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    ("fp8", "kv_cache_dtype 'fp8': an FP8 KV cache is not implemented in this engine yet; use 'auto'"),
+    ("FP8_E5M2", "kv_cache_dtype 'fp8_e5m2': an FP8 KV cache is not implemented"),
+    ("int4", "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int4'"),
+])
+def test_kv_cache_dtype_is_refused_not_ignored_until_implemented(value, message):
+    """vLLM's kv_cache_dtype: `auto` serves (the model's dtype); an FP8 cache is refused at load, so
+    that a config asking for it is never silently served at twice the memory it planned for."""
+    assert EngineConfig.from_parameters({"kv_cache_dtype": "AUTO"}).kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        EngineConfig.from_parameters({"kv_cache_dtype": value})
+
+
 def test_engine_from_parameters_and_limits(llama_dir):
     eng = LLMEngine.from_parameters(llama_dir, {"kv_cache_memory_bytes": str(64 * 2048), "block_size": "4",
                                                 "max_model_len": "200", "device": "cpu"})
     assert eng.kv.pool.num_blocks == 64
+    assert eng.cache_config_info()["cache_dtype"] == "auto"  # the setting's name, as vLLM's label
     assert eng.max_model_len == 200
     with pytest.raises(ValueError, match="maximum context length is 200"):
         eng.add_request("x", list(range(2, 202)))
