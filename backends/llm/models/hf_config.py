@@ -83,6 +83,8 @@ def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         params = params.get("full_attention") or next(v for v in params.values() if v)
     out: dict[str, Any] = {**(raw.get("rope_scaling") or {}), **params}
     kind = out.get("rope_type", out.get("type", "default"))
+    kind = {"su": "longrope"}.get(kind, kind)  # early Phi-3 configs' name for it
+    out.pop("type", None)  # 4.x's name for rope_type
     out["rope_type"] = kind
     out.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in raw:

@@ -135,6 +135,8 @@ def test_phi3_longrope_short_and_long_factors(tmp_path):
     rng = random.Random(8)
     prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 20)]
     eng = assert_equals_transformers(folder, prompts, max_tokens=12)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = eng.generate(prompts, greedy)
     config = transformers.AutoConfig.from_pretrained(folder)
     short, scale = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
     long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=33)
@@ -143,6 +145,14 @@ def test_phi3_longrope_short_and_long_factors(tmp_path):
         want = torch.polar(torch.full((4,), scale), pos * inv_freq)
         torch.testing.assert_close(table[pos, :4], want)
         assert bool((table[pos, 4:] == 1).all())  # the half of each head that does not rotate
+    # The same checkpoint's config.json as transformers 4.x wrote it (Phi-3-mini-128k's form; "su" early on)
+    raw = json.loads((folder / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    raw.update(rope_theta=params.pop("rope_theta"), partial_rotary_factor=params.pop("partial_rotary_factor"),
+               rope_scaling={**{k: v for k, v in params.items() if k != "rope_type"}, "type": "su"})
+    (folder / "config.json").write_text(json.dumps(raw))
+    old = engine(folder)
+    assert old.model_config.rope == eng.model_config.rope and old.generate(prompts, greedy) == expected
 
 
 def test_mixtral_routes_each_token_to_its_top_2_of_4_experts(tmp_path, long_prompts):
