@@ -103,9 +103,10 @@ class ModelRunner:
         drafts = {s.seq_id: s.draft_token_ids for _, s in sampling if s.draft_token_ids}
         if drafts:  # speculative decoding: accept the drafts the sampler agrees with
             spec = [j for j, i in enumerate(sampled) if seq_ids[i] in drafts]
-            verified = verify([results[j] for j in spec], [drafts[seq_ids[sampled[j]]] for j in spec],
-                              [picked[j] for j in spec], [rows[sampled[j]] for j in spec],
-                              lambda r: self.model.compute_logits(hidden[torch.tensor(r, device=dev)]),
+            spec_drafts = [drafts[seq_ids[sampled[j]]] for j in spec]
+            draft_rows = [rows[sampled[j]] + k for j, d in zip(spec, spec_drafts) for k in range(1, len(d) + 1)]
+            verified = verify([results[j] for j in spec], spec_drafts, [picked[j] for j in spec],
+                              self.model.compute_logits(hidden[torch.tensor(draft_rows, device=dev)]),
                               lambda lg, st: sample(lg, st, self.eos_ids), self.spec_stats)
             for j, tokens in zip(spec, verified):
                 per_entry[j] = tokens

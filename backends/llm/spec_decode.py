@@ -162,20 +162,26 @@ class SpecDecodeStats:
             self.accepted_per_pos[i] += 1
 
 
-def verify(first: list[SampleResult], drafts: list[list[int]], states: list[SamplingState], rows: list[int],
-           logits_of: Callable[[list[int]], torch.Tensor],
+def verify(first: list[SampleResult], drafts: list[list[int]], states: list[SamplingState],
+           draft_logits: torch.Tensor,
            sample: Callable[[torch.Tensor, list[SamplingState]], list[SampleResult]],
            stats: SpecDecodeStats) -> list[list[SampleResult]]:
-    """Accept drafts position by position. Entry i is a sequence whose token at hidden row `rows[i]`
-    (its last known token) was sampled already (`first[i]`), with its draft tokens (at rows
-    rows[i] + 1 ..) and its sampling state. `logits_of(hidden rows)` computes logits; `sample` is
-    the ordinary sampler (it advances each state by the token it picks). Returns each entry's
+    """Accept drafts position by position. Entry i is a sequence whose token after its last known
+    one was sampled already (`first[i]`), with its draft tokens and its sampling state;
+    `draft_logits` holds, entry after entry, the logits of the rows after each draft token
+    (len(drafts[i]) rows each: computed in one pass, so the LM head's weight is read once). `sample`
+    is the ordinary sampler (it advances each state by the token it picks). Returns each entry's
     tokens for this step: the accepted drafts, then the first token that differed or the bonus."""
+    offsets = [0]
+    for d in drafts:
+        offsets.append(offsets[-1] + len(d))
     out = [[r] for r in first]
     active = [i for i, d in enumerate(drafts) if d and first[i].token_id == d[0]]
     j = 1
     while active:  # the entries whose drafts 0 .. j - 1 were accepted: sample position j
-        results = sample(logits_of([rows[i] + j for i in active]), [states[i] for i in active])
+        rows = [offsets[i] + j - 1 for i in active]
+        results = sample(draft_logits[rows[0] : rows[0] + 1] if len(rows) == 1 else draft_logits[rows],
+                         [states[i] for i in active])
         still = []
         for i, r in zip(active, results):
             out[i].append(r)
