@@ -22,13 +22,15 @@ class LinearMethod(Protocol):
         """Store `weight` ([out, in], the checkpoint's layout, in the model dtype) in this method's form."""
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T (+ bias); with `residual`, added into it in place and returned."""
+        """x @ W^T (+ bias); with `residual`, residual + x @ W^T (+ bias), written into `residual` in
+        place where the method can: callers use the returned tensor."""
 
 
 class UnquantizedLinearMethod:
     """The weight in the model dtype, stored transposed ([in, out]): MKL's plain layout. `F.linear`
     with the [out, in] weight runs 2-3x slower at 16-32 rows, a decode step's usual size
-    (bench/llm_bench.py). A residual add rides on the GEMM (h += x @ W)."""
+    (bench/llm_bench.py). A residual add rides on the GEMM (h += x @ W). Used where oneDNN is not
+    (CUDA, float16, a torch without it)."""
 
     def process(self, layer: Linear, weight: torch.Tensor) -> None:
         layer.weight = weight.t().contiguous()
@@ -42,12 +44,48 @@ class UnquantizedLinearMethod:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
+# oneDNN lays a reordered weight out for a batch of about this many rows; measured the same from 64
+# to 256 rows and within 5 % of a layout made for the batch itself from 1 to 2,048 rows.
+ONEDNN_BATCH_HINT = 64
+
+
+def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `OneDNNLinearMethod` serves this dtype and device."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class OneDNNLinearMethod:
+    """CPU, float32 or bfloat16: the weight reordered once, at load, into oneDNN's blocked layout (an
+    opaque `torch._mkldnn` tensor), and each product one oneDNN matmul (`torch.ops.mkldnn`, the
+    primitives torch.compile's inductor emits for frozen linear layers on CPU, as vLLM's CPU backend
+    also calls oneDNN). No per-call packing of the weight: 1.3-1.5x MKL's `mm` on a decode step's
+    GEMMs of a 135 M model, 1.9x on its LM head (64 rows; the step before and after:
+    bench/results/llm_profile.md). The residual add
+    is oneDNN's binary post-op (a new tensor: oneDNN writes no input in place)."""
+
+    def process(self, layer: Linear, weight: torch.Tensor) -> None:
+        layer.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+
+    def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        w = layer.weight
+        assert w is not None, f"{layer.name}: not loaded"
+        if residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, layer.bias, "add")
+        return torch.ops.mkldnn._linear_pointwise(x, w, layer.bias, "none", [], "")
+
+
+def default_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
+    """oneDNN's where it serves the dtype and device, else the plain transposed weight."""
+    return OneDNNLinearMethod() if onednn_available(dtype, device) else UnquantizedLinearMethod()
+
+
 class Linear:
     """y = x @ W^T + b for W of shape [sum(output_sizes), input_size].
 
     Fused projections load one part per output slice (`load(index, weight)`: q, k, v or gate, up)
     and are joined by `finish()`, which hands the whole weight to the method. `__call__(x, residual)`
-    adds into `residual` in place when given (the decoder's residual stream)."""
+    returns residual + x @ W^T when `residual` is given (the decoder's residual stream; in place
+    where the method can)."""
 
     def __init__(self, name: str, input_size: int, output_sizes: tuple[int, ...], bias: bool,
                  dtype: torch.dtype, device: torch.device, method: LinearMethod | None = None) -> None:
@@ -56,7 +94,7 @@ class Linear:
         self.output_sizes = output_sizes
         self.has_bias = bias
         self.dtype, self.device = dtype, device
-        self.method: LinearMethod = method or UnquantizedLinearMethod()
+        self.method: LinearMethod = method or default_method(dtype, device)
         self.weight: torch.Tensor | None = None  # the method's stored form
         self.bias: torch.Tensor | None = None
         self._parts: dict[tuple[str, int], torch.Tensor] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .linear import Linear
+from .linear import Linear, UnquantizedLinearMethod, default_method
 
 
 class VocabEmbedding:
@@ -31,6 +31,19 @@ class LMHead:
 
     def __init__(self, embedding: VocabEmbedding, linear: Linear | None) -> None:
         self.embedding, self.linear = embedding, linear
+
+    def tie(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Once the embedding is loaded, for a tied head: where the default linear method keeps a
+        weight in a layout of its own (oneDNN's, on CPU), the head gets a `Linear` loaded from the
+        embedding. A second copy of the largest matrix (vocab x hidden), for an LM head 1.9x as fast
+        (bench/results/llm_profile.md); elsewhere F.linear reads the embedding itself."""
+        if self.linear is not None or isinstance(default_method(dtype, device), UnquantizedLinearMethod):
+            return
+        assert self.embedding.weight is not None
+        vocab, hidden = self.embedding.shape
+        self.linear = Linear("lm_head (tied to model.embed_tokens)", hidden, (vocab,), False, dtype, device)
+        self.linear.load(0, self.embedding.weight)
+        self.linear.finish()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.linear is None:

@@ -3,8 +3,8 @@
 Matches Hugging Face's modeling code numerically where it matters (RMSNorm in float32, RoPE tables
 in float32, SiLU-gated MLP), with q/k/v and gate/up projections fused into one `Linear` each (q and
 k rows stored in RoPE's pair layout, layers/rotary.py). The forward takes the step's tokens
-flattened ([N]) with their positions; the residual stream is added into in place by the o and down
-projections.
+flattened ([N]) with their positions; the o and down projections add into the residual stream
+(their GEMM's post-op: layers/linear.py).
 """
 
 from __future__ import annotations
@@ -74,12 +74,13 @@ class LlamaDecoderLayer:
                     into.add(f"{part}.{kind}", load)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, rotations: torch.Tensor | None, kv_cache: KVCache,
-                 meta: AttentionMetadata) -> None:
-        """Add this layer's attention and MLP outputs into the residual stream `h` (in place)."""
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream `h` with this layer's attention and MLP outputs added (in place where
+        the linear method adds in place: use the returned tensor)."""
         x = self.input_layernorm(h)
-        self.o_proj(self.attn(self.qkv_proj(x), positions, rotations, kv_cache, meta), residual=h)
+        h = self.o_proj(self.attn(self.qkv_proj(x), positions, rotations, kv_cache, meta), residual=h)
         x = self.post_attention_layernorm(h)
-        self.down_proj(self.act(self.gate_up_proj(x)), residual=h)
+        return self.down_proj(self.act(self.gate_up_proj(x)), residual=h)
 
 
 class LlamaForCausalLM:
@@ -124,6 +125,7 @@ class LlamaForCausalLM:
             self.lm_head.linear = None
         for linear in [*(lin for layer in self.layers for lin in layer.linears), *filter(None, [self.lm_head.linear])]:
             linear.finish()
+        self.lm_head.tie(dtype, device)
 
     def use_kernels(self, ops: Any) -> None:
         """Run RMSNorm, SiLU * up and RoPE + the K/V write through Pier's compiled ops (`kernels.py`;
@@ -142,7 +144,7 @@ class LlamaForCausalLM:
         rotations = self.rope.at(positions) if self.kernels is None else None  # once for every layer
         h = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            layer(h, positions, rotations, kv_cache, meta)
+            h = layer(h, positions, rotations, kv_cache, meta)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
