@@ -142,7 +142,8 @@ def run_pier(folder: Path, workloads: Workloads, streams: int) -> dict[str, Any]
 
 
 class VllmServer:
-    def __init__(self, folder: Path, vllm_dir: Path) -> None:
+    def __init__(self, folder: Path, vllm_dir: Path, extra: tuple[str, ...] = ()) -> None:
+        """`extra`: more vLLM server arguments (serve.sh passes them last, e.g. `--dtype bfloat16`)."""
         tools = vllm_tools()
         assert tools is not None
         self.tools, self.vllm_dir = tools, vllm_dir
@@ -150,7 +151,7 @@ class VllmServer:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["WAIT_S"] = "600"
         started = subprocess.run(["bash", str(tools / "serve.sh"), str(vllm_dir), str(folder), str(port),
-                                  "--served-model-name", MODEL, "--block-size", "32"],
+                                  "--served-model-name", MODEL, "--block-size", "32", *extra],
                                  capture_output=True, text=True, env=env, timeout=900, check=False)
         if started.returncode != 0:
             self.stop()

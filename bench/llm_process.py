@@ -47,8 +47,9 @@ Workload = list[tuple[list[int], int]]
 
 
 class PierServer:
-    def __init__(self, folder: Path, engine_core: str, tmp: Path, label: str = "", pythonpath: Path | None = None
-                 ) -> None:
+    def __init__(self, folder: Path, engine_core: str, tmp: Path, label: str = "", pythonpath: Path | None = None,
+                 params: dict[str, str] | None = None) -> None:
+        """`params`: more config.pbtxt parameters (e.g. {"dtype": "bfloat16"})."""
         label = label or engine_core
         repo = tmp / f"repo-{label}"
         (repo / MODEL).mkdir(parents=True)
@@ -56,7 +57,9 @@ class PierServer:
         (repo / MODEL / "config.pbtxt").write_text(
             'backend: "llm"\n'
             'parameters { key: "kv_cache_memory_bytes" value { string_value: "1073741824" } }\n'
-            f'parameters {{ key: "engine_core" value {{ string_value: "{engine_core}" }} }}\n')
+            f'parameters {{ key: "engine_core" value {{ string_value: "{engine_core}" }} }}\n' +
+            "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n'
+                    for k, v in (params or {}).items()))
         http, grpc_, metrics = free_port(), free_port(), free_port()
         self.log = open(tmp / f"pier-{label}.log", "wb")
         env = dict(os.environ)
@@ -130,8 +133,8 @@ import json, sys, time
 from pier.backends.llm.config import EngineConfig
 from pier.backends.llm.engine import LLMEngine
 from pier.backends.llm.sampling_params import SamplingParams
-folder, kv = sys.argv[1], int(sys.argv[2])
-eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=kv))
+folder, kv, extra = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=kv, **extra))
 eng.generate([list(range(1, 17))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:
@@ -151,11 +154,14 @@ class OfflineProcess:
     (LLMEngine, EngineConfig, SamplingParams, add_request / step / has_unfinished), so that two
     revisions' engines run under the same conditions."""
 
-    def __init__(self, folder: Path, tmp: Path, label: str, pythonpath: Path | None = None) -> None:
+    def __init__(self, folder: Path, tmp: Path, label: str, pythonpath: Path | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """`config`: more EngineConfig settings (e.g. {"dtype": "bfloat16"})."""
         env = dict(os.environ)
         if pythonpath is not None:
             env.update(PYTHONPATH=str(pythonpath), TORCH_EXTENSIONS_DIR=str(tmp / f"ext-offline-{label}"))
-        self.proc = subprocess.Popen([sys.executable, "-c", _OFFLINE_CHILD, str(folder), str(1 << 30)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _OFFLINE_CHILD, str(folder), str(1 << 30),
+                                      json.dumps(config or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         assert self.proc.stdout is not None and self.proc.stdin is not None
         if self.proc.stdout.readline().strip() != "ready":
