@@ -98,7 +98,7 @@ class PierServer:
                                        self.lifecycle.traffic, s.allow_cpu_metrics, self.plane.cache)
 
             async def metrics(request: web.Request) -> web.Response:
-                body = renderer.render() + limiter.prometheus().encode()
+                body = renderer.render() + limiter.prometheus().encode() + self.plane.tracer.prometheus().encode()
                 return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
         # With frontend processes, this process serves its HTTP app and gRPC services on Unix sockets

@@ -80,8 +80,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     flag("--log-format", type=_enum("--log-format", ("default", "ISO8601"), case_sensitive=True), default="default",
          metavar="{default,ISO8601}")
     flag("--log-file", default="", help="write the log to this file instead of stderr")
-    flag("--trace-config", action="append", default=[], metavar="[triton,]KEY=VALUE",
-         help="request tracing: file=, log-frequency=, rate=, count=, level=OFF|TIMESTAMPS|TENSORS (repeatable)")
+    flag("--trace-config", action="append", default=[], metavar="[MODE,]KEY=VALUE",
+         help="request tracing (repeatable): rate=, count=, level=OFF|TIMESTAMPS|TENSORS, "
+              "mode=triton|opentelemetry; triton,file= and triton,log-frequency=; opentelemetry,url= "
+              "(default http://localhost:4318/v1/traces), opentelemetry,resource=KEY=VALUE, "
+              "opentelemetry,bsp_max_queue_size= / bsp_schedule_delay= / bsp_max_export_batch_size=, "
+              "opentelemetry,protocol=http/protobuf|grpc")
     flag("--http-max-input-size", type=int, default=1 << 26, help="largest HTTP request body, bytes")
     flag("--grpc-max-message-size", type=int, default=(1 << 31) - 1, help="largest gRPC message, bytes")
     flag("--model-load-thread-count", type=int, default=4)

@@ -50,7 +50,7 @@ def to_server_request(r: pb_utils.InferenceRequest) -> InferenceRequest:
         params["timeout"] = int(r.timeout())
     return InferenceRequest(r.model_name(), version, [to_pier_tensor(t) for t in r.inputs()],
                             [RequestedOutput(n) for n in r.requested_output_names()], id=r.request_id(),
-                            parameters=params)
+                            parameters=params, trace_context=r._traceparent)
 
 
 # Request parameters the frontends and schedulers consume: Triton does not hand them to the model.
@@ -70,7 +70,8 @@ def to_pb_request(request: InferenceRequest, all_outputs: Sequence[str] = ()) ->
         | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0),
         timeout=int(params.get("timeout", 0) or 0),
         model_version=int(request.model_version) if request.model_version.isdigit() else -1,
-        parameters={k: v for k, v in params.items() if k not in _PROTOCOL_PARAMETERS})
+        parameters={k: v for k, v in params.items() if k not in _PROTOCOL_PARAMETERS},
+        trace=pb_utils.InferenceTrace(request.trace_context))
     out._server_request = request
     return out
 

@@ -193,6 +193,19 @@ class InferenceResponseSender:
 
 # ---- requests ---------------------------------------------------------------------------------
 
+class InferenceTrace:
+    """A request's trace, as `request.trace()` gives it: hand it to a BLS request
+    (`InferenceRequest(..., trace=request.trace())`) and, in the OpenTelemetry trace mode, that
+    request's spans hang under this one's. `get_context()`: Triton's JSON
+    {"traceparent": "00-<trace id>-<span id>-<flags>"}, or None when the request is not traced."""
+
+    def __init__(self, traceparent: str = "") -> None:
+        self._traceparent = traceparent
+
+    def get_context(self, key: str = "") -> str | None:
+        return json.dumps({"traceparent": self._traceparent}) if self._traceparent else None
+
+
 class InferenceRequest:
     """A request a model executes, or (constructed by model code) a BLS request to another model."""
 
@@ -210,6 +223,7 @@ class InferenceRequest:
         self._flags = flags
         self._timeout = timeout
         self._model_version = model_version
+        self._traceparent = trace._traceparent if isinstance(trace, InferenceTrace) else ""
         if isinstance(parameters, str):
             parameters = json.loads(parameters) if parameters else {}
         self._parameters: dict[str, Any] = dict(parameters or {})
@@ -248,6 +262,9 @@ class InferenceRequest:
 
     def parameters(self) -> str:
         return json.dumps(self._parameters)
+
+    def trace(self) -> InferenceTrace:
+        return InferenceTrace(self._traceparent)
 
     def is_cancelled(self) -> bool:
         return bool(self._server_request is not None and self._server_request.cancelled)

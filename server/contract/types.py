@@ -81,7 +81,11 @@ class InferenceRequest:
     # (the client went away, or it ended): a decoupled model cancels its work there instead of
     # polling `cancelled`. A model that sets it after the stream closed finds `cancelled` true.
     on_cancel: Callable[[], object] | None = None
-    trace: Any = None  # server.tracing.Trace when traced; False when its frontend sampled it out
+    trace: Any = None  # pier.observability's Trace/OtelTrace when traced; False when its frontend sampled it out
+    # The W3C traceparent of the request's caller (OpenTelemetry trace mode): a client's, from the
+    # HTTP header or gRPC metadata, or a BLS call's (its caller's `request.trace()`). Once the
+    # request is traced, its own model span's: what a model hands on to the requests it makes.
+    trace_context: str = ""
     shm_regions: tuple[str, ...] = ()  # shared-memory regions its inputs and outputs name
 
     def output_names(self) -> list[str]:

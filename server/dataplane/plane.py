@@ -17,6 +17,7 @@ from pier.dataplane.response_cache import ResponseCache
 from pier.dataplane.shared_memory import SystemSharedMemory
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.lifecycle.routing import RoutingTable
+from pier.observability.otel import OtelTrace
 from pier.observability.tracing import Trace, Tracer
 from pier.protocol import model_config_pb2 as mc
 from pier.repository.source import is_version
@@ -45,6 +46,10 @@ class Stamping(Protocol):
     @property
     def on(self) -> bool:
         """Whether requests get the frontend's receive stamp (tracing is on for some model)."""
+
+    @property
+    def propagates(self) -> bool:
+        """Whether frontends hand on the caller's traceparent (OpenTelemetry trace mode)."""
 
 
 class InferencePlane(Protocol):
@@ -281,21 +286,23 @@ class DataPlane:
                 raise invalid_arg(exc.message) from None
         return self.tracer.update(changes, model) if changes else self.tracer.settings(model)
 
-    def _trace(self, model: LoadedModel, request: InferenceRequest) -> tuple[Trace | None, bool]:
+    def _trace(self, model: LoadedModel, request: InferenceRequest) -> tuple[Trace | OtelTrace | None, bool]:
         """The request's trace (one its frontend began, or one sampled here, which the plane then
         finishes: owned), stamped up to QUEUE_START. Only called when tracing is on."""
         trace, owned = request.trace or None, False
         if request.trace is None:
-            trace = request.trace = self.tracer.sample(model.spec.name, request.id)
+            trace = request.trace = self.tracer.sample(model.spec.name, request.id, request.trace_context)
             owned = trace is not None
         if trace is not None:
             trace.start(model.version)
+            if trace.context:  # OpenTelemetry: the model sees (and hands on) its own span's context
+                request.trace_context = trace.context
             for t in request.inputs:
                 trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
             trace.stamp("QUEUE_START")
         return trace, owned
 
-    def _end_trace(self, trace: Trace, owned: bool, outputs: list[Tensor]) -> None:
+    def _end_trace(self, trace: Trace | OtelTrace, owned: bool, outputs: list[Tensor]) -> None:
         for t in outputs:
             trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
         trace.stamp("REQUEST_END")

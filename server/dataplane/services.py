@@ -37,13 +37,20 @@ class PlaneServices:
         if threading.get_ident() == self._loop_thread:
             raise internal("a blocking model call (BLS exec) cannot run on the server's event loop")
 
+    def _child(self, request: InferenceRequest) -> InferenceRequest:
+        """A BLS call that names its caller's trace (`trace=request.trace()`): in OpenTelemetry
+        mode its spans hang under the caller's model span, whatever the sampling settings."""
+        if request.trace_context and request.trace is None:
+            request.trace = self._plane.tracer.child_of(request.trace_context, request.model_name, request.id)
+        return request
+
     def infer(self, request: InferenceRequest) -> InferenceResponse:
         self._check_thread()
-        return asyncio.run_coroutine_threadsafe(self._plane.infer(request), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self._plane.infer(self._child(request)), self._loop).result()
 
     async def _pump(self, request: InferenceRequest, put: Any) -> None:
         try:
-            async for item in self._plane.infer_stream(request):
+            async for item in self._plane.infer_stream(self._child(request)):
                 put(item)
         except PierError as exc:
             put(exc)
@@ -58,6 +65,7 @@ class PlaneServices:
             yield item
 
     async def infer_async(self, request: InferenceRequest) -> InferenceResponse:
+        self._child(request)
         if asyncio.get_running_loop() is self._loop:
             return await self._plane.infer(request)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._plane.infer(request), self._loop))
@@ -66,7 +74,7 @@ class PlaneServices:
         caller = asyncio.get_running_loop()
         if caller is self._loop:  # on the server's loop: closing this iterator cancels the request
             try:
-                async for item in self._plane.infer_stream(request):
+                async for item in self._plane.infer_stream(self._child(request)):
                     yield item
             except PierError as exc:
                 yield exc

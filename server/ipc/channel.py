@@ -272,6 +272,7 @@ class WireRequest(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_f
     outputs: list[WireOutput]
     inputs: list[WireTensor]
     has_sink: bool
+    trace_context: str = ""  # InferenceRequest.trace_context (W3C traceparent)
 
 
 class WireError(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False, tag=1):
@@ -365,12 +366,13 @@ def result_in(w: WireResult | None, mapping: Source) -> Outputs | PierError | No
 def request_out(r: InferenceRequest, packer: Packer, rid: int = 0) -> WireRequest:
     return WireRequest(rid, r.model_name, r.model_version, r.id, r.parameters,
                        [WireOutput(o.name, o.parameters) for o in r.outputs], [tensor_out(t, packer) for t in r.inputs],
-                       r.response_sink is not None)
+                       r.response_sink is not None, r.trace_context)
 
 
 def request_in(w: WireRequest, mapping: Source, cls: type[InferenceRequest] = InferenceRequest) -> InferenceRequest:
     return cls(w.model, w.version, [tensor_in(t, mapping) for t in w.inputs],
-               [RequestedOutput(o.name, o.parameters) for o in w.outputs], id=w.id, parameters=w.parameters)
+               [RequestedOutput(o.name, o.parameters) for o in w.outputs], id=w.id, parameters=w.parameters,
+               trace_context=w.trace_context)
 
 
 def response_out(r: InferenceResponse | PierError | BaseException, packer: Packer) -> WireAnswer:

@@ -13,6 +13,11 @@ Timestamps are the monotonic clock in ns (perf_counter_ns), named as Triton's: t
 gRPC), the server's (REQUEST_START, QUEUE_START, REQUEST_END) and the backend's (COMPUTE_START,
 COMPUTE_INPUT_END, COMPUTE_OUTPUT_START, COMPUTE_END). With tracing off, a request costs one
 attribute check.
+
+`--trace-config mode=opentelemetry` keeps the same settings, sampling and API, and turns each
+sampled request into spans instead (observability/otel.py). There, as in Triton, a request that
+carries its caller's W3C `traceparent` is traced whatever the rate and count (when its model's
+level is not OFF), `rate=0` on the command line traces only those, and no trace file is needed.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from pier.contract.errors import ErrorCode, PierError, invalid_arg
+from pier.observability.otel import OtelConfig, OtelExporter, OtelTrace, parent_context
 
 log = logging.getLogger("pier.trace")
 
@@ -47,6 +53,11 @@ class Trace:
     timestamps: bool  # level TIMESTAMPS
     tensors: bool  # level TENSORS
     records: list[dict[str, Any]] = field(default_factory=list)
+    context: ClassVar[str] = ""  # OpenTelemetry mode's traceparent of the model span: none here
+
+    def child(self, model_name: str, request_id: str) -> None:
+        """An ensemble step's trace: in this mode the step is sampled on its own, as before."""
+        return None
 
     def stamp(self, name: str, ns: int | None = None) -> None:
         if self.timestamps:
@@ -116,10 +127,18 @@ class _Scope:
 
 
 class Tracer:
+    """`settings` as parse_trace_config gives them (`trace_mode` and `opentelemetry` included)."""
+
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
+        settings = dict(settings or {})
+        self.mode: str = settings.pop("trace_mode", "triton")
+        otel_config: OtelConfig | None = settings.pop("opentelemetry", None)
         values = dict(DEFAULTS)
-        for key, value in (settings or {}).items():
-            values[key] = _check(key, value)
+        for key, value in settings.items():  # rate=0 is the command line's "traceparent only" (OpenTelemetry)
+            values[key] = value if key == "trace_rate" and value == "0" and self.mode != "triton" \
+                else _check(key, value)
+        self.otel = OtelExporter(otel_config or OtelConfig()) if self.mode == "opentelemetry" else None
+        self.propagates = self.otel is not None  # frontends hand on the caller's traceparent
         self._global = _Scope(values)
         self._models: dict[str, _Scope] = {}
         self._ids = itertools.count(1)
@@ -134,7 +153,12 @@ class Tracer:
         values = dict(self._global.values)
         if model and model in self._models:
             values.update(self._models[model].values)
-        return {**{k: (list(v) if isinstance(v, list) else v) for k, v in values.items()}, "trace_mode": "triton"}
+        out = {k: (list(v) if isinstance(v, list) else v) for k, v in values.items()}
+        if self.otel is None:
+            return {**out, "trace_mode": "triton"}
+        # as Triton: no trace file or log frequency, then the mode's own settings
+        return {**{k: out[k] for k in ("trace_level", "trace_rate", "trace_count")}, "trace_mode": self.mode,
+                **self.otel.config.settings()}
 
     def update(self, changes: dict[str, Any], model: str = "") -> dict[str, Any]:
         """Apply an update (all keys checked first; `None` or an empty list clears a model's
@@ -147,7 +171,8 @@ class Tracer:
         if "trace_file" in checked:  # Triton 2.51 refuses the key whatever its value
             raise PierError(ErrorCode.UNSUPPORTED, "trace file location can not be updated through network protocol")
         current = self.settings(model)
-        if (checked.get("trace_level") or current["trace_level"]) != ["OFF"] and not current["trace_file"]:
+        if self.otel is None and (checked.get("trace_level") or current["trace_level"]) != ["OFF"] \
+                and not current["trace_file"]:
             raise invalid_arg("Attempting to set invalid trace setting :trace file name is not given")
         if model:
             if model not in self._models:  # as Triton: a model's override counts its own traces
@@ -175,32 +200,52 @@ class Tracer:
 
     def _active(self) -> bool:
         scopes = [self._global.values, *({**self._global.values, **m.values} for m in self._models.values())]
+        if self.otel is not None:  # a request with a traceparent is traced even with the count used up
+            return any(s["trace_level"] != ["OFF"] for s in scopes)
         return any(s["trace_level"] != ["OFF"] and s["trace_count"] != "0" and s["trace_file"] for s in scopes)
 
     # ---- tracing ---------------------------------------------------------------------------
 
-    def sample(self, model: str, request_id: str = "") -> Trace | None:
-        """A trace for this request if its model's settings sample it (call only when `on`)."""
+    def sample(self, model: str, request_id: str = "", context: str = "", root: str = "InferRequest",
+               start_ns: int | None = None) -> Trace | OtelTrace | None:
+        """A trace for this request if its model's settings sample it (call only when `on`).
+        OpenTelemetry mode: `context`, the caller's traceparent, is the root span's parent and
+        forces the trace; `root` names the root span, which starts at `start_ns`."""
         scope = self._models.get(model)
         values = {**self._global.values, **scope.values} if scope is not None else self._global.values
-        if values["trace_level"] == ["OFF"] or values["trace_count"] == "0" or not values["trace_file"]:
+        if values["trace_level"] == ["OFF"]:
             return None
+        if self.otel is None:
+            if values["trace_count"] == "0" or not values["trace_file"] or not self._hit(scope, values):
+                return None
+            levels = values["trace_level"]
+            return Trace(next(self._ids), model, request_id, "TIMESTAMPS" in levels, "TENSORS" in levels)
+        parent = parent_context(context)
+        if not self._hit(scope, values) and parent is None:
+            return None
+        return OtelTrace(self.otel, next(self.otel.ids), model, request_id, parent, root, start_ns)
+
+    def _hit(self, scope: _Scope | None, values: dict[str, Any]) -> bool:
+        """Count this request against the rate; True when it is the rate-th (and the count allows)."""
+        rate = int(values["trace_rate"])
+        if rate == 0 or values["trace_count"] == "0":  # OpenTelemetry: only requests with a traceparent
+            return False
         counter = scope if scope is not None and "trace_rate" in scope.values else self._global
         counter.seen += 1
-        if counter.seen % int(values["trace_rate"]):  # as Triton: the rate-th request, the 2*rate-th, ...
-            return None
+        if counter.seen % rate:  # as Triton: the rate-th request, the 2*rate-th, ...
+            return False
         if values["trace_count"] != "-1":
             owner = scope if scope is not None and "trace_count" in scope.values else self._global
             owner.values["trace_count"] = str(int(values["trace_count"]) - 1)
             self.on = self._active()
-        levels = values["trace_level"]
-        return Trace(next(self._ids), model, request_id, "TIMESTAMPS" in levels, "TENSORS" in levels)
+        return True
 
-    def begin(self, request: Any, protocol: str, received_ns: int) -> Trace | None:
+    def begin(self, request: Any, protocol: str, received_ns: int) -> Trace | OtelTrace | None:
         """A frontend samples `request` (HTTP or GRPC): its trace starts with the frontend's
         receive timestamps; untraced requests are marked so the data plane does not sample them
         again."""
-        trace = self.sample(request.model_name, request.id) if self.on else None
+        trace = self.sample(request.model_name, request.id, request.trace_context, start_ns=received_ns) \
+            if self.on else None
         if trace is not None:
             start, end = ("HTTP_RECV_START", "HTTP_RECV_END") if protocol == "HTTP" else \
                 ("GRPC_WAITREAD_START", "GRPC_WAITREAD_END")
@@ -209,11 +254,35 @@ class Tracer:
         request.trace = trace if trace is not None else False
         return trace
 
+    def begin_call(self, root: str, model: str, request_id: str, context: str, received_ns: int) -> OtelTrace | None:
+        """OpenTelemetry mode: a frontend's own root span for a call it serves with requests of
+        its own (the OpenAI API's `llm_request`), sampled by `model`'s settings; each request's
+        trace is then `trace.child(...)`. None in Triton's mode or when not sampled."""
+        if self.otel is None or not self.on:
+            return None
+        trace = self.sample(model, request_id, context, root, received_ns)
+        return trace if isinstance(trace, OtelTrace) else None
+
+    def child_of(self, context: str, model: str, request_id: str) -> OtelTrace | None:
+        """OpenTelemetry mode: the trace of a request made by a model on behalf of another (BLS),
+        whose spans hang under `context` (the caller's model span's traceparent)."""
+        parent = parent_context(context) if self.otel is not None else None
+        if self.otel is None or parent is None:
+            return None
+        return OtelTrace(self.otel, next(self.otel.ids), model, request_id, parent, None)
+
+    def prometheus(self) -> str:
+        """The exporter's span counts (OpenTelemetry mode), for the metrics endpoint."""
+        return self.otel.counts.prometheus() if self.otel is not None else ""
+
     def _value(self, model: str, key: str) -> Any:
         scope = self._models.get(model)
         return scope.values[key] if scope is not None and key in scope.values else self._global.values[key]
 
-    def finish(self, trace: Trace) -> None:
+    def finish(self, trace: Trace | OtelTrace) -> None:
+        if isinstance(trace, OtelTrace):
+            trace.end()
+            return
         self._buffer += trace.records
         self._pending += 1
         frequency = int(self._value(trace.model_name, "log_frequency"))  # the traced model's setting
@@ -236,7 +305,11 @@ class Tracer:
         self._buffer, self._pending = [], 0
 
     def close(self) -> None:
-        """At shutdown: what is left goes to `<file>`, or to the next `<file>.<n>` once any was written."""
+        """At shutdown: what is left goes to `<file>`, or to the next `<file>.<n>` once any was written
+        (OpenTelemetry: to the collector, within a bounded wait)."""
+        if self.otel is not None:
+            self.otel.shutdown()
+            return
         self.flush(indexed=self._file_index > 0 or int(self._global.values["log_frequency"]) > 0)
 
 
@@ -245,30 +318,53 @@ _CONFIG_KEYS = {"file": "trace_file", "log-frequency": "log_frequency", "rate": 
 
 
 def parse_trace_config(items: list[str]) -> dict[str, Any]:
-    """tritonserver's `--trace-config [triton,]key=value` items -> settings (`level` may repeat).
-    Only the `triton` mode is implemented."""
+    """tritonserver's `--trace-config [<mode>,]key=value` items -> the Tracer's settings (`level`
+    may repeat). `mode=opentelemetry` adds `trace_mode` and the `opentelemetry,...` items
+    (`opentelemetry`: an OtelConfig); the other mode's items are ignored, as in Triton."""
     settings: dict[str, Any] = {}
+    mode = "triton"
+    modes: dict[str, list[tuple[str, str]]] = {"triton": [], "opentelemetry": []}
     for item in items:
-        spec = item
+        spec, scope = item, ""
         if "," in item.split("=", 1)[0]:
-            mode, spec = item.split(",", 1)
-            if mode != "triton":
-                raise ValueError(f"--trace-config: trace mode '{mode}' is not supported (only 'triton')")
+            scope, spec = item.split(",", 1)
+            if scope not in modes:
+                raise ValueError(f"--trace-config: trace mode '{scope}' is not supported "
+                                 "(expected triton or opentelemetry)")
         key, sep, value = spec.partition("=")
-        if key == "mode":
-            if value != "triton":
-                raise ValueError(f"--trace-config: trace mode '{value}' is not supported (only 'triton')")
+        if not sep:
+            raise ValueError(f"--trace-config: unknown setting '{item}' (expected file, log-frequency, rate, "
+                             "count, level or mode)")
+        if scope == "opentelemetry":
+            modes[scope].append((key, value))
             continue
-        if not sep or key not in _CONFIG_KEYS:
+        if key == "mode" and not scope:
+            if value not in modes:
+                raise ValueError(f"--trace-config: trace mode '{value}' is not supported "
+                                 "(expected triton or opentelemetry)")
+            mode = value
+            continue
+        if key not in _CONFIG_KEYS:
             raise ValueError(f"--trace-config: unknown setting '{item}' (expected file, log-frequency, rate, "
                              "count, level or mode)")
         name = _CONFIG_KEYS[key]
         if name == "trace_level":
             settings.setdefault(name, []).append(value.upper())
+        elif name in ("trace_file", "log_frequency"):
+            modes["triton"].append((name, value))
         else:
             settings[name] = value
+    if mode == "triton":
+        settings.update(modes["triton"])
+    else:
+        for name, _ in modes["triton"]:
+            log.warning("--trace-config: '%s' is ignored in the opentelemetry trace mode", name)
+        settings["trace_mode"] = mode
+        settings["opentelemetry"] = OtelConfig.parse(modes["opentelemetry"])
     try:
         for name, value in settings.items():
+            if name in ("trace_mode", "opentelemetry") or (name == "trace_rate" and value == "0" and mode != "triton"):
+                continue  # rate=0: trace only the requests that carry a traceparent (Triton's OpenTelemetry mode)
             _check(name, value)
     except PierError as exc:
         raise ValueError(f"--trace-config: {exc.message}") from None

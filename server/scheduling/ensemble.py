@@ -355,8 +355,11 @@ class EnsembleScheduler(Scheduler):
                 inputs.append(Tensor(model_input, t.datatype, list(t.shape), t.data))
         # As Triton: every step gets the request's parameters (its own and the protocol's: priority,
         # timeout, sequence flags), so that a composing model reads what the client sent.
+        # A traced ensemble's step is a child trace (OpenTelemetry mode: its spans under the
+        # ensemble's model span); in Triton's mode each step is sampled on its own.
+        trace = request.trace.child(step.model.rpartition("/")[2], request.id) if request.trace else None
         return InferenceRequest(step.model, step.version, inputs, [RequestedOutput(o) for o, _ in step.outputs],
-                                id=request.id, parameters=dict(request.parameters))
+                                id=request.id, parameters=dict(request.parameters), trace=trace)
 
     def inflight_count(self) -> int:
         return self._inflight

@@ -116,12 +116,30 @@ def test_trace_config_flags() -> None:
                                    "mode=triton", "count=-1", "log-frequency=10"])
     assert settings == {"trace_file": "/tmp/t.json", "trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "5",
                         "trace_count": "-1", "log_frequency": "10"}
-    for item, words in (("opentelemetry,file=x", "trace mode 'opentelemetry' is not supported"),
-                        ("mode=opentelemetry", "trace mode 'opentelemetry' is not supported"),
+    for item, words in (("opentelemetry,file=x", "unknown setting 'opentelemetry,file'"),
+                        ("jaeger,url=x", "trace mode 'jaeger' is not supported"),
+                        ("mode=zipkin", "trace mode 'zipkin' is not supported"),
                         ("colour=blue", "unknown setting 'colour=blue'"), ("rate", "unknown setting 'rate'"),
-                        ("rate=0", "--trace-config: Unable to parse 'trace_rate'")):
+                        ("rate=0", "--trace-config: Unable to parse 'trace_rate'"),
+                        ("opentelemetry,bsp_max_queue_size=-1", "must be an unsigned integer"),
+                        ("opentelemetry,resource=novalue", "must be key=value"),
+                        ("opentelemetry,protocol=thrift", "protocol must be one of http/protobuf, grpc"),
+                        ("opentelemetry,bsp_max_export_batch_size=4096", "must not exceed bsp_max_queue_size")):
         with pytest.raises(ValueError, match=words):
-            parse_trace_config([item])
+            parse_trace_config(["mode=opentelemetry", item] if item.startswith("opentelemetry,") else [item])
+
+
+def test_opentelemetry_trace_config() -> None:
+    """Triton's OpenTelemetry flags: rate=0 allowed there (traceparent only), the triton mode's
+    file settings ignored, the opentelemetry items kept in order."""
+    settings = parse_trace_config(["mode=opentelemetry", "rate=0", "level=TIMESTAMPS", "triton,file=/tmp/t.json",
+                                   "opentelemetry,url=localhost:10000/v1/traces", "opentelemetry,resource=a=b=c",
+                                   "opentelemetry,bsp_schedule_delay=100"])
+    config = settings.pop("opentelemetry")
+    assert settings == {"trace_mode": "opentelemetry", "trace_rate": "0", "trace_level": ["TIMESTAMPS"]}
+    assert config.url() == "http://localhost:10000/v1/traces" and config.resource() == {"a": "b=c"}
+    assert config.bsp() == {"bsp_max_queue_size": 2048, "bsp_schedule_delay": 100, "bsp_max_export_batch_size": 512}
+    assert parse_trace_config(["opentelemetry,url=x"]) == {}  # mode triton: the other mode's items are ignored
 
 
 ECHO = """name: "echo" backend: "onnxruntime" max_batch_size: 0

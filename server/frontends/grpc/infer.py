@@ -18,6 +18,14 @@ from pier.tensors.validation import forward_headers
 from pier.tensors.validation import header_pattern as compile_pattern
 
 
+def traceparent(metadata: Any) -> str:
+    """The W3C traceparent in a call's metadata ("" when none)."""
+    for key, value in metadata or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""
+
+
 def rate_limited(model: str, refused: tuple[float, str]) -> PierError:
     """The gRPC error for a request a rate limit refused ((seconds to wait, the limit's scope))."""
     return PierError(ErrorCode.RATE_LIMITED, limited_message(model, refused[1], refused[0]))
@@ -42,6 +50,8 @@ class UnaryInfer:
         decoded = codec.decode_request(request, self.plane.shared_memory)
         if self.header_pattern is not None:
             forward_headers(self.header_pattern, context.invocation_metadata() or (), decoded.parameters)
+        if self.plane.tracer.propagates:  # OpenTelemetry: the caller's trace is this request's parent
+            decoded.trace_context = traceparent(context.invocation_metadata())
         return decoded
 
     async def serve(self, received: int, infer_request: InferenceRequest,

@@ -44,6 +44,8 @@ class InferHandler:
                      resolved: LoadedModel | None = None) -> web.Response:
         """Serve `infer_request` (`resolved`: the version it runs on, when decoding needed it)."""
         forward_headers(self.header_pattern, request.headers.items(), infer_request.parameters)
+        if self.plane.tracer.propagates:  # OpenTelemetry: the caller's trace is this request's parent
+            infer_request.trace_context = request.headers.get("traceparent", "")
         compress = "Accept-Encoding" in request.headers
         shm = self.plane.shared_memory
 

@@ -58,6 +58,7 @@ from pier.ipc import channel as wire
 from pier.ipc.messages import BadMessage
 from pier.ipc.processes import die_with_parent
 from pier.observability import log_settings
+from pier.observability.tracing import parse_trace_config
 from pier.protocol import grpc_service_pb2 as pb
 from pier.protocol import health_pb2
 from pier.settings import Settings
@@ -68,6 +69,7 @@ T = TypeVar("T")
 
 class _Traced:
     on = True  # stamp each request's receive time: the server decides whether it is traced
+    propagates = False  # hand on the caller's traceparent: set from the settings (OpenTelemetry mode)
 
 
 class RemotePlane:
@@ -309,6 +311,8 @@ class Frontend:
             log_file=settings.log_file, log_info=settings.log_info, log_warning=settings.log_warning,
             log_error=settings.log_error, log_verbose_level=settings.log_verbose, log_format=settings.log_format))
         quiet_client_mistakes()
+        self.plane.tracer.propagates = parse_trace_config(list(settings.trace_config)).get("trace_mode") \
+            == "opentelemetry"
         if self._log is not None:
             log_settings.update({k: v for k, v in self._log.items() if k != "log_file"})
         self._log_installed = True
