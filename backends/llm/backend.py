@@ -26,7 +26,7 @@ import numpy as np
 
 from pier.backends.llm import degrade
 from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
-from pier.backends.llm.metrics import LLMMetrics
+from pier.backends.llm.metrics import LLMMetrics, phase_times
 from pier.contract import llm
 from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelContext, ModelInstance, Overload
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
@@ -52,6 +52,12 @@ def _text(value: Any, name: str) -> str:
         except UnicodeDecodeError:
             raise invalid_arg(f"input '{name}' is not valid UTF-8") from None
     return str(value)
+
+
+def _timings(out: Any) -> dict[str, str]:
+    """A finished sequence's phases, as the TIMINGS response parameter (pier.contract.llm)."""
+    phases = phase_times(out.metrics)
+    return {llm.TIMINGS: json.dumps(phases)} if phases is not None else {}
 
 
 def _bytes(name: str, value: bytes) -> Tensor:
@@ -296,6 +302,7 @@ class LLMInstance(ModelInstance):
         context: dict[int, list[int]] = {}
         pending_prompt_lp: dict[int, Any] = {}  # prompt logprobs not yet sent (their output carried no text)
         remaining = sampling.n
+        timed = request.parameters.get(llm.TIMINGS) is True  # a traced OpenAI call's (pier.contract.llm)
         started = time.monotonic()
         last_token_at: dict[int, float] = {}
         try:
@@ -332,10 +339,11 @@ class LLMInstance(ModelInstance):
                     out = dataclasses.replace(out, prompt_logprobs=pending_prompt_lp.pop(out.index))
                 if flags[llm.RETURN_LOGPROBS] and out.index not in context:
                     context[out.index] = list((out.prompt_ids or [])[-CONTEXT_TOKENS:])
+                params = _timings(out) if timed and out.finished else {}
                 if stream:
                     if emits:
                         sink(Outputs(self._tensors(out.text, out, flags, out.logprobs, out.finished, out.token_ids,
-                                                   context.get(out.index))), final)
+                                                   context.get(out.index)), params), final)
                     if flags[llm.RETURN_LOGPROBS]:
                         context[out.index] = (context[out.index] + out.token_ids)[-CONTEXT_TOKENS:]
                 else:
@@ -346,7 +354,8 @@ class LLMInstance(ModelInstance):
                     if out.finished:
                         whole = prefix + "".join(texts.pop(out.index, []))
                         sink(Outputs(self._tensors(whole, out, flags, logprobs.pop(out.index, None), True,
-                                                   logprob_ids.pop(out.index, []), context.get(out.index))), final)
+                                                   logprob_ids.pop(out.index, []), context.get(out.index)), params),
+                             final)
                 if final:
                     self.metrics.e2e.observe(time.monotonic() - started)
                     if out.finish_reason == llm.FINISH_ABORT:
@@ -399,6 +408,10 @@ class LLMInstance(ModelInstance):
 
     def info(self) -> dict[str, Any]:
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser}
+
+    def load_report(self) -> dict[str, float]:
+        stats = self.engine.stats()  # the last step's (the engine core sends them with its outputs)
+        return {"kv_cache_usage_perc": stats.kv_cache_usage, "num_requests_waiting": float(stats.num_waiting)}
 
     def close(self) -> None:
         self.engine.shutdown()  # requests still streaming fail with the engine's error

@@ -57,6 +57,21 @@ class _Histogram:
 
 
 
+def phase_times(m: Any) -> dict[str, float] | None:
+    """A finished sequence's phases (its RequestMetrics) in seconds, vLLM's names (pier.contract.llm
+    TIMINGS): queue and inference, and prefill and decode once a token came; None before it was
+    scheduled."""
+    if m is None or m.first_scheduled_time is None:
+        return None
+    end = m.finished_time or m.last_token_time or m.first_scheduled_time
+    out = {"time_in_queue": m.first_scheduled_time - m.arrival_time,
+           "time_in_model_inference": end - m.first_scheduled_time}
+    if m.first_token_time is not None:
+        out["time_in_model_prefill"] = m.first_token_time - m.first_scheduled_time
+        out["time_in_model_decode"] = (m.last_token_time or m.first_token_time) - m.first_token_time
+    return out
+
+
 class LLMMetrics:
     """One LLM instance's metrics. The histograms are thread-safe; the request counters are
     written on the server's loop only."""
@@ -96,19 +111,17 @@ class LLMMetrics:
                 h["vllm:request_params_max_tokens"].observe(sampling.max_tokens)
         h["vllm:request_prompt_tokens"].observe(out.prompt_tokens)
         h["vllm:request_generation_tokens"].observe(out.completion_tokens)
-        m = out.metrics
-        if m is None or m.first_scheduled_time is None:
+        phases = phase_times(out.metrics)
+        if phases is None:
             return
-        end = m.finished_time or m.last_token_time or m.first_scheduled_time
-        h["vllm:request_queue_time_seconds"].observe(m.first_scheduled_time - m.arrival_time)
-        h["vllm:request_inference_time_seconds"].observe(end - m.first_scheduled_time)
-        if m.first_token_time is not None:
-            h["vllm:request_prefill_time_seconds"].observe(m.first_token_time - m.first_scheduled_time)
-            last = m.last_token_time or m.first_token_time
-            h["vllm:request_decode_time_seconds"].observe(last - m.first_token_time)
+        h["vllm:request_queue_time_seconds"].observe(phases["time_in_queue"])
+        h["vllm:request_inference_time_seconds"].observe(phases["time_in_model_inference"])
+        if "time_in_model_decode" in phases:
+            h["vllm:request_prefill_time_seconds"].observe(phases["time_in_model_prefill"])
+            h["vllm:request_decode_time_seconds"].observe(phases["time_in_model_decode"])
             if out.completion_tokens > 1:
                 h["vllm:request_time_per_output_token_seconds"].observe(
-                    (last - m.first_token_time) / (out.completion_tokens - 1))
+                    phases["time_in_model_decode"] / (out.completion_tokens - 1))
 
     def render(self, s: EngineStats, model: str, cache_info: dict[str, str] | None = None) -> str:
         """The vllm:* families, vLLM's names and help texts, for the engine stats `s` (and the KV

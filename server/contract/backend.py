@@ -202,6 +202,12 @@ class ModelInstance(abc.ABC):
         OpenAI API's /v1/models); {} for none."""
         return {}
 
+    def load_report(self) -> dict[str, float]:
+        """The instance's load now, for the ORCA `endpoint-load-metrics` header that inference
+        gateways read (vLLM's named metrics: the LLM's kv_cache_usage_perc, a fraction, and
+        num_requests_waiting); {} for none. Called on the server's event loop: must not block."""
+        return {}
+
 
 class Backend(abc.ABC):
     """A framework adapter. Stateless apart from caches; one object serves every model."""

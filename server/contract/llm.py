@@ -133,6 +133,13 @@ SAMPLING_LOGPROBS = "logprobs"  # alternatives per generated token
 SAMPLING_PROMPT_LOGPROBS = "prompt_logprobs"  # alternatives per prompt token (asks for that output)
 SAMPLING_STRUCTURED_OUTPUTS = "structured_outputs"  # vLLM's object: json, json_object, regex, choice, grammar
 
+# ---- a request parameter ------------------------------------------------------------------
+# TIMINGS true: each sequence's last response carries the engine's phases of it in its response
+# parameters, under the same name: a JSON object of seconds, vLLM's names (its llm_request span's
+# gen_ai.latency.* attributes): time_in_queue, time_in_model_inference, and once a token came
+# time_in_model_prefill, time_in_model_decode. The OpenAI frontend asks for them for a call it traces.
+TIMINGS = "timings"
+
 # ---- chat_messages as an object: the messages and the chat template's options -------------
 CHAT_OPTION_MESSAGES = "messages"
 CHAT_OPTION_ADD_GENERATION_PROMPT = "add_generation_prompt"  # default true

@@ -194,6 +194,21 @@ class DataPlane:
                 out[m.spec.name] = m.spec.parameters[key]
         return dict(sorted(out.items()))
 
+    def load_report(self, name: str) -> dict[str, float]:
+        """Model `name`'s load now (ORCA's named metrics, for inference gateways): requests waiting
+        (its schedulers' queues and what its instances report waiting) and what its instances
+        report beside (the LLM's kv_cache_usage_perc: the fullest instance's); {} for no such model."""
+        models = [m for m in self._routes.loaded_models() if m.spec.name == name]
+        if not models:
+            return {}
+        report = {"num_requests_waiting": float(sum(m.scheduler.pending_count() for m in models))}
+        for m in models:
+            for instance in m.instances:
+                for key, value in instance.load_report().items():
+                    report[key] = report.get(key, 0.0) + value if key == "num_requests_waiting" \
+                        else max(value, report.get(key, value))
+        return report
+
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return config_to_json(self.resolve(name, version).config)
 

@@ -20,7 +20,7 @@ from pier.frontends.apidoc import document as apidoc
 from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.frontends.http import codec, generate, openai
 from pier.frontends.http.infer import InferHandler
-from pier.frontends.http.middleware import error_middleware, guard_middleware, restrict_middleware
+from pier.frontends.http.middleware import error_middleware, gateway_headers, guard_middleware, restrict_middleware
 from pier.frontends.status.page import StatusPage
 from pier.lifecycle.loaded_model import LoadedModel
 from pier.observability import log_settings
@@ -313,6 +313,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
         middlewares.append(guard_middleware(*guards))
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     close_when_exiting(app, plane)
+    gateway_headers(app, plane.load_report)
     h = HttpHandlers(plane, control, max_input_size, compile_pattern(header_pattern))
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version:[0-9]+}"

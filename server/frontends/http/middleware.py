@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -19,6 +20,53 @@ log = logging.getLogger("pier.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _ENCODINGS = frozenset({"gzip", "deflate", "identity"})
+REQUEST_ID = "X-Request-Id"
+_REQUEST_ID_KEY = "pier.request_id"
+
+
+def request_id(request: web.Request) -> str:
+    """The request's id, as gateways correlate it: its X-Request-Id, else a new one (uuid4 hex, as
+    vLLM's); every answer carries it back (echo_request_id) and the OpenAI API names its answer by it."""
+    rid: str | None = request.get(_REQUEST_ID_KEY)
+    if rid is None:
+        rid = request[_REQUEST_ID_KEY] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    return rid
+
+
+LOAD_FORMAT, LOAD_METRICS = "endpoint-load-metrics-format", "endpoint-load-metrics"
+MODEL_KEY = "pier.model"  # a handler that reads the model from the body (the OpenAI API) leaves it here
+
+
+def orca(report: dict[str, float], form: str) -> str | None:
+    """An ORCA load report as vLLM writes the header (`form`: text or json; anything else: none)."""
+    form = form.strip().lower()
+    if form == "text":
+        return "TEXT " + ", ".join(f"named_metrics.{k}={float(v)}" for k, v in report.items())
+    if form == "json":
+        return "JSON " + orjson.dumps({"named_metrics": {k: float(v) for k, v in report.items()}}).decode()
+    return None
+
+
+def gateway_headers(app: web.Application, load: Callable[[str], dict[str, float]] | None) -> None:
+    """What inference gateways read on every HTTP answer, streamed and error ones included:
+    X-Request-Id (a relayed one keeps the server's), and, when the request asks for it with
+    `endpoint-load-metrics-format: text|json` (as vLLM and Triton serve it), the model's load as
+    an ORCA `endpoint-load-metrics` header (`load`: the data plane's load_report; None in a
+    frontend process, which relays such requests to the server)."""
+
+    async def hook(request: web.Request, response: web.StreamResponse) -> None:
+        if REQUEST_ID not in response.headers:
+            response.headers[REQUEST_ID] = request_id(request)
+        form = request.headers.get(LOAD_FORMAT)
+        if form is not None and load is not None and LOAD_METRICS not in response.headers:
+            model = request.match_info.get("model") or request.get(MODEL_KEY)
+            report = load(model) if model else {}
+            value = orca(report, form) if report else None
+            if value is not None:
+                response.headers[LOAD_METRICS] = value
+
+    app.on_response_prepare.append(hook)
+
 
 
 @web.middleware
@@ -27,12 +75,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
         return error_response(501, f"Unsupported compression type '{encoding}': use gzip or deflate")
     if log.isEnabledFor(logging.DEBUG):  # --log-verbose / log_verbose_level > 0, as Triton's request lines
-        log.debug("HTTP request: %s %s", request.method, request.path)
+        if REQUEST_ID in request.headers:  # a gateway's id: the line says it, for correlation
+            log.debug("HTTP request: %s %s (%s %s)", request.method, request.path, REQUEST_ID, request_id(request))
+        else:
+            log.debug("HTTP request: %s %s", request.method, request.path)
     try:
         return await handler(request)
     except PierError as exc:
         if log.isEnabledFor(logging.DEBUG):  # as Triton's verbose log of a failed request
-            log.debug("%s %s failed: %s", request.method, request.path, exc.message)
+            log.debug("%s %s failed (%s %s): %s", request.method, request.path, REQUEST_ID, request_id(request),
+                      exc.message)
         return from_error(exc)
     except web.RequestPayloadError as exc:
         return error_response(400, f"failed to read the request body ({encoding or 'identity'} encoding): {exc}")
@@ -48,7 +100,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.debug("client went away during %s %s", request.method, request.path)
         return web.Response(status=499)  # never sent: aiohttp drops it on the closed transport
     except Exception as exc:  # never let a bug turn into a dropped connection
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s (%s %s)", request.method, request.path, REQUEST_ID,
+                      request_id(request))
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 

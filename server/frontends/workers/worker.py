@@ -45,7 +45,9 @@ from pier.frontends.http import codec as http_codec
 from pier.frontends.http.app import MAX_BODY_BYTES, Handler, close_when_exiting
 from pier.frontends.http.infer import InferHandler
 from pier.frontends.http.middleware import (
+    LOAD_FORMAT,
     error_middleware,
+    gateway_headers,
     guard_middleware,
     limited_response,
     quiet_client_mistakes,
@@ -205,15 +207,16 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
 
     async def infer(request: web.Request) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity" \
-                or http_codec.is_raw_binary(request.headers):
+                or http_codec.is_raw_binary(request.headers) or LOAD_FORMAT in request.headers:
             # compressed: inflated (within its limit) by the server; raw binary: decoded against the
-            # model's signature, which the server holds
+            # model's signature, which the server holds; a load report: the server knows the load
             return await proxy(request)
         return await served(request)
 
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=max(settings.http_max_input_size, MAX_BODY_BYTES))
     close_when_exiting(app, plane)
+    gateway_headers(app, None)  # X-Request-Id; the load report comes from the server (relayed)
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
         app.router.add_post(base + "/infer", infer)
     app.router.add_route("*", "/{tail:.*}", proxy)

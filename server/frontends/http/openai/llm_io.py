@@ -16,8 +16,9 @@ from pier.contract.types import InferenceRequest, InferenceResponse, RequestedOu
 from pier.dataplane.plane import DataPlane
 
 Delta = dict[str, Any]
-"""One response of one sequence: {model (the one that answered), index, text, finish_reason, stop_reason, prompt_tokens,
-completion_tokens, logprobs, prompt_logprobs} (the two last: LOGPROBS documents, or None)."""
+"""One response of one sequence: {model (the one that answered), index, text, finish_reason, stop_reason,
+prompt_tokens, completion_tokens, logprobs, prompt_logprobs, timings} (logprobs, prompt_logprobs:
+LOGPROBS documents, or None; timings: the engine's phases in a traced call's last response, or None)."""
 
 
 def bytes_tensor(name: str, text: str) -> Tensor:
@@ -29,9 +30,10 @@ def bool_tensor(name: str, value: bool) -> Tensor:
 
 
 def inference_request(model: str, prompt: str | list[int] | None, messages: Any, sampling: dict[str, Any],
-            logprobs: bool) -> InferenceRequest:
+            logprobs: bool, request_id: str = "") -> InferenceRequest:
     """A streamed request for one prompt (text or token ids) or one chat (`messages`: what the
-    chat_messages input carries), every output it can ask for."""
+    chat_messages input carries), every output it can ask for; `request_id`: the call's (its
+    X-Request-Id), else a new one."""
     text = prompt if isinstance(prompt, str) else ""
     inputs = [bytes_tensor(llm.TEXT_INPUT, text), bool_tensor(llm.STREAM, True),
               bytes_tensor(llm.SAMPLING_PARAMETERS, json.dumps(sampling)),
@@ -49,7 +51,8 @@ def inference_request(model: str, prompt: str | list[int] | None, messages: Any,
         outputs.append(llm.LOGPROBS)
     if llm.SAMPLING_PROMPT_LOGPROBS in sampling:
         outputs.append(llm.PROMPT_LOGPROBS)
-    return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs], id=uuid.uuid4().hex)
+    return InferenceRequest(model, "", inputs, [RequestedOutput(o) for o in outputs],
+                            id=request_id or uuid.uuid4().hex)
 
 
 async def one_response(plane: DataPlane, request: InferenceRequest) -> dict[str, np.ndarray]:
@@ -93,7 +96,7 @@ async def response_deltas(plane: DataPlane, request: InferenceRequest, keep_prom
                    "stop_reason": json.loads(stop) if stop else None,
                    "prompt_tokens": int(got.get(llm.NUM_INPUT_TOKENS) or 0),
                    "completion_tokens": int(got.get(llm.NUM_OUTPUT_TOKENS) or 0),
-                   "logprobs": lp_doc, "prompt_logprobs": prompt_part}
+                   "logprobs": lp_doc, "prompt_logprobs": prompt_part, "timings": item.parameters.get(llm.TIMINGS)}
     finally:
         await stream.aclose()
 

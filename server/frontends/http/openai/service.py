@@ -11,12 +11,14 @@ import orjson
 from aiohttp import web
 
 import pier.frontends.http.openai.embeddings as embeddings
+import pier.frontends.http.openai.llm_span as llm_span
 import pier.frontends.http.openai.tokenize as tokenization
 import pier.frontends.http.openai.tools as tools
 from pier import __version__
 from pier.contract import llm
 from pier.contract.errors import PierError
 from pier.dataplane.plane import DataPlane
+from pier.frontends.http.middleware import MODEL_KEY, request_id
 from pier.frontends.http.openai.chat import CHAT
 from pier.frontends.http.openai.choices import Deltas, close, merge, whole
 from pier.frontends.http.openai.completions import COMPLETIONS
@@ -33,6 +35,7 @@ from pier.frontends.http.openai.protocol import (
     structured_outputs,
 )
 from pier.frontends.http.openai.streaming import stream
+from pier.observability.otel import OtelTrace
 
 
 async def _first_deltas(gens: list[Deltas]) -> list[Delta]:
@@ -70,11 +73,17 @@ class OpenAIHandlers:
                     "the length of the messages or completion.")
 
     async def _run(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        received = time.perf_counter_ns()
         gens: list[Deltas] = []
+        trace: OtelTrace | None = None
+        operation = "chat" if endpoint.chat else "text_completion"  # gen_ai.operation.name
+        doc: dict[str, Any] = {}
+        sampling: dict[str, Any] = {}
         try:
             doc = await read_body(request, self.max_json_size)
             llms = self.plane.models_with_backend(llm.BACKEND_NAME)  # read once for the whole call
-            model = check_model(doc.get("model"), list(llms), self.plane.not_serving)
+            # MODEL_KEY: gateway_headers reports this model's load
+            model = request[MODEL_KEY] = check_model(doc.get("model"), list(llms), self.plane.not_serving)
             info = llms.get(model, {})
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
@@ -87,31 +96,41 @@ class OpenAIHandlers:
                 sampling[llm.SAMPLING_STRUCTURED_OUTPUTS] = constraint
             plan = endpoint.plan(doc, sampling, logprobs)
             plan.tools = tool_plan
-            infers = [inference_request(model, p, plan.messages, sampling, logprobs is not None) for p in plan.prompts]
+            rid = request_id(request)
+            infers = [inference_request(model, p, plan.messages, sampling, logprobs is not None, rid)
+                      for p in plan.prompts]
+            trace = llm_span.start(self.plane, request, model, rid, received, operation, infers)
             as_ids = bool(doc.get("return_tokens_as_token_ids"))  # vLLM's: tokens as "token_id:N"
             gens = [response_deltas(self.plane, infer, logprobs is not None, as_ids) for infer in infers]
             firsts = await _first_deltas(gens)
             self._check_context(info, sampling.get(llm.SAMPLING_MAX_TOKENS), firsts)
-        except BadRequest as exc:
+        except (BadRequest, PierError) as exc:
             await close(gens)
-            return error(exc.status, exc.message, exc.param)
-        except PierError as exc:
-            await close(gens)
-            return pier_error(exc)
+            if trace is not None:
+                llm_span.finish(trace, doc, model, sampling, operation, rid, received, error=type(exc).__name__)
+            return error(exc.status, exc.message, exc.param) if isinstance(exc, BadRequest) else pier_error(exc)
         n = int(sampling.get(llm.SAMPLING_N, 1))
+        watched = llm_span.Watch() if trace is not None else None
         deltas = merge(list(zip(firsts, gens)), n)
+        if watched is not None:
+            deltas = watched.watch(deltas)
         first = await anext(deltas)
         answered = firsts[0]["model"] or model  # an overloaded model's fallback (dataplane/degrade.py)
         call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), answered,
                     prompt_tokens=sum(f["prompt_tokens"] for f in firsts), choices=n * len(gens), per_prompt=n,
                     role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))], tools=plan.tools,
                     asked=model if answered != model else "")
-        if doc.get("stream"):
-            options = doc.get("stream_options") or {}
-            usage = bool(isinstance(options, dict) and options.get("include_usage"))
-            return await stream(request, call, deltas, first, usage,
-                                usage and bool(options.get("continuous_usage_stats")))
-        return await whole(call, deltas, first)
+        try:
+            if doc.get("stream"):
+                options = doc.get("stream_options") or {}
+                usage = bool(isinstance(options, dict) and options.get("include_usage"))
+                return await stream(request, call, deltas, first, usage,
+                                    usage and bool(options.get("continuous_usage_stats")))
+            return await whole(call, deltas, first)
+        finally:
+            if trace is not None:
+                llm_span.finish(trace, doc, answered, sampling, operation, rid, received, call.ident,
+                                call.prompt_tokens, call.choices, watched)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._run(request, COMPLETIONS)
