@@ -43,6 +43,7 @@ VALUES = {
             "--set", "guards.rateLimitModel={20:40}"],
     "grafana": ["--set", "grafana.dashboards.enabled=true",
                 "--set", "grafana.dashboards.annotations.grafana_folder=Pier"],
+    "gateway": ["--set-json", 'podLabels={"llm-d.ai/engine-type": "vllm", "pier.dev/pool": "chat"}'],
 }
 # The live server: `simple` rate-limited (so that pier_rate_limited_requests_total exists) and Triton's
 # latency summaries on (the serving dashboard's p50 / p99 panel), both through the chart's values.
@@ -119,6 +120,17 @@ def test_rolling_updates_keep_capacity(tools) -> None:
                                         "rollingUpdate.maxUnavailable=1")) if d["kind"] == "Deployment")
     assert gpu["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert _run([tools["helm"], "template", "t", str(CHART), "--set", "rollingUpdate.maxSurg=1"]).returncode != 0
+
+
+def test_pod_labels_for_inference_gateways(tools) -> None:
+    """podLabels reach the pods (an InferencePool selects them, llm-d reads llm-d.ai/engine-type),
+    not the Deployment's selector, which must not change under a running release."""
+    deploy = next(d for d in _docs(_render(tools, *VALUES["gateway"])) if d["kind"] == "Deployment")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert labels["llm-d.ai/engine-type"] == "vllm" and labels["pier.dev/pool"] == "chat"
+    assert "llm-d.ai/engine-type" not in deploy["spec"]["selector"]["matchLabels"]
+    assert _run([tools["helm"], "template", "t", str(CHART), "--set-string", "podLabels.a=1"]).returncode == 0
+    assert _run([tools["helm"], "template", "t", str(CHART), "--set-json", 'podLabels={"a": 1}']).returncode != 0
 
 
 def _docs(text: str) -> list[dict]:
