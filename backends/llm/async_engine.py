@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pier.contract.backend import LoadProgress
 
-from .core_messages import Abort, Add, EngineFacts
+from .core_messages import Abort, Add, EngineFacts, ResetPrefixCache
 from .engine import EngineStats, LLMEngine, RequestOutput
 from .input_processor import check_text_length, encode_prompt
 from .sampling_params import SamplingParams
@@ -57,6 +57,7 @@ class EngineClient(abc.ABC):
         self._stats = stats
         self._stopped = False
         self._ids = itertools.count()
+        self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -125,6 +126,38 @@ class EngineClient(abc.ABC):
         """Cancel a request; its iterator receives finished outputs with finish_reason "abort"."""
         self._send(Abort(request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the engine's cached prefixes (vLLM's /reset_prefix_cache): False while requests
+        hold KV blocks (nothing is reset then)."""
+        if (why := self.unavailable_reason()) is not None:
+            raise EngineDeadError(why)
+        token = f"reset-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[bool] = loop.create_future()
+        with self._lock:
+            self._replies[token] = (loop, answer)
+        try:
+            self._send(ResetPrefixCache(token))
+            return await asyncio.wait_for(answer, 30)
+        finally:
+            with self._lock:
+                self._replies.pop(token, None)
+
+    def _answer(self, token: str, ok: bool) -> None:
+        with self._lock:
+            waiting = self._replies.get(token)
+        if waiting is not None:
+            loop, answer = waiting
+
+            def settle() -> None:
+                if not answer.done():
+                    answer.set_result(ok)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # that loop is closed
+                pass
+
     def stats(self) -> EngineStats:
         """The latest snapshot (taken after each step)."""
         with self._lock:
@@ -135,7 +168,7 @@ class EngineClient(abc.ABC):
         """Stop the engine; requests still running get an EngineDeadError."""
 
     @abc.abstractmethod
-    def _send(self, command: Add | Abort) -> None:
+    def _send(self, command: Add | Abort | ResetPrefixCache) -> None:
         """Deliver a command (core_messages: the engine-core protocol's) to the engine."""
 
     # -- fed by the engine side (any thread) ------------------------------------------------------
@@ -183,7 +216,7 @@ class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.tokenizer, EngineFacts.of(engine), engine.stats())
         self.engine = engine
-        self._commands: queue.SimpleQueue[Add | Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Add | Abort | ResetPrefixCache] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -201,7 +234,7 @@ class AsyncLLMEngine(EngineClient):
 
     # -- engine thread ----------------------------------------------------------------------------
 
-    def _send(self, command: Add | Abort) -> None:
+    def _send(self, command: Add | Abort | ResetPrefixCache) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -217,6 +250,8 @@ class AsyncLLMEngine(EngineClient):
                     self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.sampling)
                 except ValueError as e:
                     self._fail(cmd.request_id, e)
+            elif isinstance(cmd, ResetPrefixCache):
+                self._answer(cmd.token, self.engine.reset_prefix_cache())
             else:
                 outs.extend(self.engine.abort(cmd.request_id))
 

@@ -409,6 +409,9 @@ class LLMInstance(ModelInstance):
     def info(self) -> dict[str, Any]:
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser}
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()
+
     def load_report(self) -> dict[str, float]:
         stats = self.engine.stats()  # the last step's (the engine core sends them with its outputs)
         return {"kv_cache_usage_perc": stats.kv_cache_usage, "num_requests_waiting": float(stats.num_waiting)}

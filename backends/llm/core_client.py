@@ -114,7 +114,7 @@ class EngineCoreClient(EngineClient):
 
     # -- commands ----------------------------------------------------------------------------------
 
-    def _send(self, command: cm.Add | cm.Abort) -> None:
+    def _send(self, command: cm.Add | cm.Abort | cm.ResetPrefixCache) -> None:
         data = encode(command)
         with self._send_lock:
             core = self._core
@@ -226,6 +226,8 @@ class EngineCoreClient(EngineClient):
                 self._dispatch(event.outputs)
             elif isinstance(event, cm.Refused):
                 self._fail(event.request_id, ValueError(event.message))
+            elif isinstance(event, cm.PrefixCacheReset):
+                self._answer(event.token, event.ok)
         return True
 
     @staticmethod

@@ -72,6 +72,12 @@ class Progress(Message):
     progress: LoadProgress
 
 
+class ResetPrefixCache(Message):
+    """Forget the cached prefixes; answered with PrefixCacheReset (same token)."""
+
+    token: str
+
+
 class Ready(Message):
     facts: EngineFacts
     stats: EngineStats
@@ -92,8 +98,13 @@ class Refused(Message):
     message: str
 
 
-Command = Init | Add | Abort | Stop
-Event = Progress | Ready | LoadFailed | Outputs | Refused
+class PrefixCacheReset(Message):
+    token: str
+    ok: bool  # False: requests held blocks, nothing was reset
+
+
+Command = Init | Add | Abort | Stop | ResetPrefixCache
+Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset
 
 COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
 EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")

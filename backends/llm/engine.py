@@ -185,6 +185,10 @@ class LLMEngine:
 
     # -- introspection --------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False while a request holds blocks (see BlockPool)."""
+        return self.kv.pool.reset_prefix_cache()
+
     def cache_config_info(self) -> dict[str, str]:
         """vllm:cache_config_info's labels (fixed settings: safe from any thread), so that
         inference gateways read the KV capacity (num_gpu_blocks x block_size) as from vLLM."""

@@ -24,7 +24,21 @@ import zmq
 from pier.ipc.messages import BadMessage, encode
 from pier.ipc.processes import die_with_parent
 
-from .core_messages import COMMANDS, Abort, Add, EngineFacts, Init, LoadFailed, Outputs, Progress, Ready, Refused, Stop
+from .core_messages import (
+    COMMANDS,
+    Abort,
+    Add,
+    EngineFacts,
+    Init,
+    LoadFailed,
+    Outputs,
+    PrefixCacheReset,
+    Progress,
+    Ready,
+    Refused,
+    ResetPrefixCache,
+    Stop,
+)
 from .outputs import EngineStats, RequestOutput
 
 
@@ -75,6 +89,8 @@ class EngineCore:
                     self._refuse(cmd.request_id, str(e))
             elif isinstance(cmd, Abort):
                 outs.extend(self.engine.abort(cmd.request_id))
+            elif isinstance(cmd, ResetPrefixCache):
+                self.outputs.send(encode(PrefixCacheReset(cmd.token, self.engine.reset_prefix_cache())))
             elif isinstance(cmd, Stop):
                 return False
 

@@ -36,6 +36,17 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free_plain) + len(self._free_cached)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while
+        any block is in use (a running request's blocks stay cached when it ends)."""
+        if self.num_free != self.num_blocks:
+            return False
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+        self._table.clear()
+        self.key = [None] * self.num_blocks
+        return True
+
     def usage(self) -> float:
         """Fraction of blocks referenced by some sequence."""
         return 1.0 - self.num_free / self.num_blocks

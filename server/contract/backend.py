@@ -202,6 +202,12 @@ class ModelInstance(abc.ABC):
         OpenAI API's /v1/models); {} for none."""
         return {}
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes (the LLM's prefix cache; vLLM's POST /reset_prefix_cache): False
+        when it cannot now (requests hold cached blocks), True when done or nothing to forget.
+        Called on the server's event loop."""
+        return True
+
     def load_report(self) -> dict[str, float]:
         """The instance's load now, for the ORCA `endpoint-load-metrics` header that inference
         gateways read (vLLM's named metrics: the LLM's kv_cache_usage_perc, a fraction, and

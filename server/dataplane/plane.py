@@ -209,6 +209,12 @@ class DataPlane:
                         else max(value, report.get(key, value))
         return report
 
+    async def reset_prefix_cache(self) -> bool:
+        """Every loaded model forgets its cached prefixes (vLLM's /reset_prefix_cache); False if
+        one could not now (its requests hold cached blocks)."""
+        done = [await instance.reset_prefix_cache() for m in self._routes.loaded_models() for instance in m.instances]
+        return all(done)
+
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return config_to_json(self.resolve(name, version).config)
 

@@ -1,6 +1,7 @@
 """Behind an inference gateway: every HTTP answer says X-Request-Id (the caller's, else a new one)
 and, when asked with `endpoint-load-metrics-format`, the model's load as ORCA's
-`endpoint-load-metrics` header (vLLM's format)."""
+`endpoint-load-metrics` header (vLLM's format); vLLM's POST /reset_prefix_cache, restricted as the
+repository API is (the LLM engine's side: tests/backends/llm/test_async_engine.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "dat
 def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("gateway")
     shutil.copytree(EXAMPLE_REPO / "identity_fp32", root / "repo" / "identity_fp32")
-    proc = start_pier([root / "repo"], "--log-verbose=1", log_path=root / "pier.log")
+    proc = start_pier([root / "repo"], "--log-verbose=1", "--http-restricted-api=model-repository:admin-key=secret",
+                      log_path=root / "pier.log")
     yield proc
     assert proc.stop() == 0
 
@@ -54,3 +56,13 @@ def test_orca_load_report_when_asked(server) -> None:
     stats = requests.get(server.base() + "/v2/models/identity_fp32/stats",
                          headers={"endpoint-load-metrics-format": "text"}, timeout=10)
     assert stats.headers["endpoint-load-metrics"].startswith("TEXT ")
+
+
+def test_reset_prefix_cache_is_restricted_like_the_repository_api(server) -> None:
+    url = server.base() + "/reset_prefix_cache"
+    refused = requests.post(url, timeout=10)
+    assert refused.status_code == 403 and "admin-key" in refused.json()["error"]
+    done = requests.post(url, headers={"admin-key": "secret"}, timeout=10)
+    assert done.status_code == 200 and done.content == b""  # no model holds a prefix cache here: nothing to forget
+    running = requests.post(url + "?reset_running_requests=true", headers={"admin-key": "secret"}, timeout=10)
+    assert running.status_code == 400 and "reset_running_requests" in running.json()["error"]

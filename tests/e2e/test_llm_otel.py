@@ -7,6 +7,7 @@ the answer's id, ORCA's load report with the KV cache's use."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import requests
@@ -116,3 +117,25 @@ def test_orca_load_report_on_chat(server) -> None:
     as_json = requests.post(url, json=body, headers={"endpoint-load-metrics-format": "json"}, timeout=60)
     report = json.loads(as_json.headers["endpoint-load-metrics"][5:])["named_metrics"]
     assert set(report) == {"kv_cache_usage_perc", "num_requests_waiting"}
+
+
+def test_reset_prefix_cache_over_http(server) -> None:
+    """vLLM's POST /reset_prefix_cache through the engine process: 409 while a request holds KV
+    blocks, 200 once idle. The stream's first chunk can leave before the engine has the request,
+    so the busy reset waits for two tokens' chunks (prefill done: its blocks are held); the 448
+    tokens left outlast the reset's round trip many times over."""
+    url = server.base() + "/reset_prefix_cache"
+    body = {"model": "tiny_llama", "prompt": "a b c d e f g h", "max_tokens": 450, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with requests.post(server.base() + "/v1/completions", json=body, stream=True, timeout=60) as streaming:
+        chunks = (line for line in streaming.iter_lines() if line.startswith(b"data: {"))
+        for _ in range(3):
+            next(chunks)
+        busy = requests.post(url, timeout=30)
+    assert busy.status_code == 409 and "Prefix cache reset failed" in busy.json()["error"]
+    for _ in range(100):  # the aborted request lets its blocks go
+        idle = requests.post(url, timeout=30)
+        if idle.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert idle.status_code == 200 and idle.content == b""

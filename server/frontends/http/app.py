@@ -19,6 +19,7 @@ from pier.frontends import restrictions
 from pier.frontends.apidoc import document as apidoc
 from pier.frontends.guards import ApiKeys, RateLimiter
 from pier.frontends.http import codec, generate, openai
+from pier.frontends.http.errors import error_response
 from pier.frontends.http.infer import InferHandler
 from pier.frontends.http.middleware import error_middleware, gateway_headers, guard_middleware, restrict_middleware
 from pier.frontends.status.page import StatusPage
@@ -108,6 +109,16 @@ class HttpHandlers:
         if not isinstance(params, dict):
             raise PierError(ErrorCode.INVALID_ARG, f"the {what} request's 'parameters' must be a JSON object")
         return params
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: 200 (empty) when every model forgot its cached
+        prefixes, 409 while requests hold them (vLLM's newer answer). A model category route:
+        restricted and keyed like the repository API."""
+        if request.query.get("reset_running_requests", "false").lower() not in ("false", "0"):
+            raise invalid_arg("reset_running_requests=true is not supported: retry when no request is running")
+        if not await self.plane.reset_prefix_cache():
+            return error_response(409, "Prefix cache reset failed: requests are running (retry when idle)")
+        return web.Response(status=200)
 
     async def repository_index(self, request: web.Request) -> web.Response:
         doc = await self._body(request, "index")
@@ -334,6 +345,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
         r.add_post(base + "/generate", h.generate)
         r.add_post(base + "/generate_stream", h.generate_stream)
     r.add_post("/v2/repository/index", h.repository_index)
+    r.add_post("/reset_prefix_cache", h.reset_prefix_cache)
     # CUDA regions cannot be registered: empty status, no-op unregister, register refused.
     for base, status, unregister in (("/v2/systemsharedmemory", h.shm_status, h.shm_unregister),
                                      ("/v2/cudasharedmemory", h.cuda_shm_status, h.cuda_shm_unregister)):

@@ -3,9 +3,10 @@ and `--http-restricted-api` (pier/restrictions.py parses the rules) is enforced 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -22,14 +23,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ENCODINGS = frozenset({"gzip", "deflate", "identity"})
 REQUEST_ID = "X-Request-Id"
 _REQUEST_ID_KEY = "pier.request_id"
+# A made id: 32 hex digits, as vLLM's uuid4().hex looks, but a random prefix per process and a
+# counter (uuid4 reads the OS's random source for every request: 2.4 us against 0.24 us).
+_ID_PREFIX, _ID_COUNTER = os.urandom(8).hex(), itertools.count()
 
 
 def request_id(request: web.Request) -> str:
-    """The request's id, as gateways correlate it: its X-Request-Id, else a new one (uuid4 hex, as
-    vLLM's); every answer carries it back (echo_request_id) and the OpenAI API names its answer by it."""
+    """The request's id, as gateways correlate it: its X-Request-Id, else a new one; every answer
+    carries it back (gateway_headers) and the OpenAI API names its answer by it."""
     rid: str | None = request.get(_REQUEST_ID_KEY)
     if rid is None:
-        rid = request[_REQUEST_ID_KEY] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        rid = request[_REQUEST_ID_KEY] = request.headers.get(REQUEST_ID) or f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
     return rid
 
 
@@ -112,7 +116,7 @@ def http_category(path: str) -> str | None:
         return "inference"
     if path.startswith("/v2/health/"):
         return "health"
-    if path.startswith("/v2/repository/"):
+    if path.startswith("/v2/repository/") or path == "/reset_prefix_cache":  # vLLM's, restricted as model control
         return "model-repository"
     if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
         return "shared-memory"

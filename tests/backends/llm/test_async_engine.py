@@ -116,3 +116,35 @@ def test_n_streams_every_index(aengine, prompts):
         return seen
 
     assert asyncio.run(main()) == {0: 5, 1: 5, 2: 5}
+
+
+def test_reset_prefix_cache(aengine, prompts):
+    """vLLM's reset_prefix_cache: refused (False, nothing forgotten) while a request holds blocks;
+    once idle it forgets every cached prefix, so the same prompt finds no cached block again."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = prompts[4]  # 64 tokens: several full blocks
+
+    async def run_once() -> None:
+        async for _ in aengine.generate(prompt, params):
+            pass
+
+    async def main() -> tuple[bool, bool, int, int]:
+        await run_once()
+        _wait_idle(aengine)
+        hits = aengine.stats().prefix_cache_hits
+        await run_once()  # found in the cache
+        _wait_idle(aengine)
+        cached = aengine.stats().prefix_cache_hits - hits
+        long = aengine.generate(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        await anext(long)  # running: its blocks are in use
+        busy = await aengine.reset_prefix_cache()
+        await long.aclose()
+        _wait_idle(aengine)
+        idle = await aengine.reset_prefix_cache()
+        hits = aengine.stats().prefix_cache_hits
+        await run_once()
+        _wait_idle(aengine)
+        return busy, idle, cached, aengine.stats().prefix_cache_hits - hits
+
+    busy, idle, cached, after = asyncio.run(main())
+    assert cached > 0 and not busy and idle and after == 0
