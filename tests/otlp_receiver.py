@@ -31,8 +31,10 @@ def _attributes(items: Any) -> dict[str, Any]:
 class OtlpReceiver:
     """Collects the spans of every export; `url` (HTTP) and `grpc_url` are where to send them."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.keep = keep  # False: count the spans only (a long benchmark)
+        self.count = 0
         self.requests = 0
         self._lock = threading.Condition()
         receiver = self
@@ -69,6 +71,11 @@ class OtlpReceiver:
         self.grpc_url = f"http://127.0.0.1:{port}"
 
     def take(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        if not self.keep:
+            with self._lock:
+                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                self.requests += 1
+            return
         spans = []
         for rs in request.resource_spans:
             resource = _attributes(rs.resource.attributes)
@@ -82,6 +89,7 @@ class OtlpReceiver:
                         "events": [{"name": e.name, "time": e.time_unix_nano} for e in s.events]})
         with self._lock:
             self.spans.extend(spans)
+            self.count += len(spans)
             self.requests += 1
             self._lock.notify_all()
 
@@ -123,3 +131,24 @@ def tree(spans: list[dict[str, Any]]) -> dict[str, list[str]]:
         if s["parentSpanId"] in names:
             out.setdefault(names[s["parentSpanId"]], []).append(s["name"])
     return {k: sorted(v) for k, v in out.items()}
+
+
+def main() -> None:
+    """`python -m tests.otlp_receiver`: serve until killed (bench/otel.py's collector), printing the
+    OTLP/HTTP URL, then on SIGTERM how many spans came."""
+    import signal
+    import sys
+
+    receiver = OtlpReceiver(keep=False)
+    print(receiver.url, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        print(f"spans received: {receiver.count}", flush=True)
+        receiver.close()
+
+
+if __name__ == "__main__":
+    main()
