@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -231,3 +232,29 @@ def test_sampled_distribution_is_unchanged(small_vocab_dir, setting):
         cells = set(ca) | set(cb)
         stat = sum((ca[t] - cb[t]) ** 2 / (ca[t] + cb[t]) for t in cells)
         assert stat < chi_square_limit(max(len(cells) - 1, 1)), (pos, stat, sorted(ca.items()), sorted(cb.items()))
+
+
+def test_structured_output_and_n_in_the_same_batch(llama_dir, repetitive, repetitive_reference):
+    """A structured-output request decodes without drafts (its grammar masks every token it
+    emits) beside speculating ones; n > 1 forks keep working."""
+    eng = engine(llama_dir, block_size=4, speculative_config=NGRAM)
+    regex = r"(ab|cd){3,6}"
+    eng.add_request("structured", repetitive[0], SamplingParams.from_json(
+        {"max_tokens": 30, "temperature": 0, "structured_outputs": {"regex": regex}}))
+    eng.add_request("greedy", repetitive[1], GREEDY)
+    eng.add_request("forks", repetitive[2], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=7,
+                                                           ignore_eos=True))
+    text, tokens, forks = "", [], {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == "structured":
+                text += o.text
+            elif o.request_id == "greedy":
+                tokens.extend(o.token_ids)
+            else:
+                forks[o.index] = forks.get(o.index, 0) + len(o.token_ids)
+    assert re.fullmatch(regex, text), text
+    assert tokens == repetitive_reference[1]
+    assert forks == {0: 20, 1: 20, 2: 20}
+    spec = eng.stats().spec_decode
+    assert spec is not None and spec.num_accepted_tokens > 0
