@@ -81,7 +81,9 @@ def test_a_stuck_execute_cannot_hold_the_exit(tmp_path: Path, mode: str) -> None
     threading.Thread(target=_swallow(lambda: client.infer("sleep_py", inputs, request_id="stuck")), daemon=True).start()
     deadline = time.monotonic() + 60  # it runs (on two shared cores it may take a while to arrive)
     while "sleep_py: sleeping 120 s" not in server.log():
-        assert time.monotonic() < deadline, server.log()
+        if time.monotonic() > deadline:
+            server.proc.kill()  # a failed test leaves no server behind
+            raise AssertionError(f"the request never reached the model:\n{server.log()}")
         time.sleep(0.1)
     if mode == "process":
         assert descendants(server.proc.pid), "the model's stub process"
@@ -103,7 +105,9 @@ def test_a_stream_left_open_cannot_hold_the_exit(tmp_path: Path) -> None:
     client.start_stream(callback)
     inputs = numpy_inputs(grpcclient, {"SECONDS": np.array([120], np.float32), "COUNT": np.array([2], np.int32)})
     client.async_stream_infer("sleep_decoupled_py", inputs, request_id="open")  # one response, then 120 s
-    assert first.wait(30), server.log()
+    if not first.wait(30):
+        server.proc.kill()  # a failed test leaves no server behind
+        raise AssertionError(f"no first response:\n{server.log()}")
     assert got == [0]
     _exits_at_the_timeout(server, "model 'sleep_decoupled_py' version 1 request 'open'")
     client.stop_stream(cancel_requests=True)
