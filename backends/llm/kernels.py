@@ -62,11 +62,13 @@ def _build() -> Any | None:
         start = time.monotonic()
         log.info("loading the LLM CPU kernels (compiled on first use on this machine, about 15 s)")
         cpp_extension.load(
-            name="pier_llm_kernels",
+            # The sources' digest names the library: checkouts with different kernels keep one
+            # cached build each instead of rebuilding over each other in the shared cache folder,
+            # and a header change rebuilds too (torch's versioning hashes only the sources).
+            name=f"pier_llm_kernels_{_digest()}",
             sources=[str(s) for s in _SOURCES],
-            # OpenMP: ATen's parallel_for is header code. The digest rebuilds the cached library
-            # when a header changes too (torch's versioning hashes only the sources).
-            extra_cflags=["-O3", "-fopenmp", f"-DPIER_CSRC_DIGEST={_digest()}"],
+            # OpenMP: ATen's parallel_for is header code.
+            extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
