@@ -47,6 +47,7 @@ from bench import chaos_load as load
 from bench.chaos_models import ADDSUB, BROKEN, drop_broken_model, write_repository
 from bench.common import RESULTS, git_describe, loadavg, log, machine, temp_dir
 from bench.servers import Server, Servers, start_pier, start_triton
+from tests.processes import descendants
 
 SETTLE_S = 5.0  # quiet before a resource sample
 
@@ -80,26 +81,6 @@ class Target:
 
 
 # ---- processes -----------------------------------------------------------------------------
-
-def descendants(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
 
 def _cmdline(pid: int) -> str:
     try:

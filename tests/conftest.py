@@ -128,42 +128,6 @@ def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool 
     raise RuntimeError(f"pier not ready after {timeout}s:\n{server.log()}")
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (children, theirs, ...), read from /proc: a server's stubs, LLM
-    engine core and frontend processes are its children, each forked from one of its threads."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
-            continue
-        for task in tasks:
-            try:
-                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of `pids` that still run (a zombie has ended)."""
-    running = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if state != "Z":
-            running.add(pid)
-    return running
-
-
 def build_test_repository(root: Path) -> Path:
     """The example models plus an identity model per datatype (`roundtrip_<type>`, [-1,-1])."""
     repo = root / "repo"

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import ROOT, PierProcess, start_pier
+from tests.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +19,12 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PierProcess]:
                         log_path=log, timeout=120)
     yield server
     assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    """A real OTLP/HTTP receiver (tests/otlp_receiver.py) on a free loopback port, one per module:
+    the server under test exports its spans to it."""
+    r = OtlpReceiver()
+    yield r
+    r.close()

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import PierProcess, alive, descendants, numpy_inputs, start_pier
+from tests.conftest import PierProcess, numpy_inputs, start_pier
 from tests.model_builders import write_sleep_models
+from tests.processes import alive, descendants
 
 pytestmark = pytest.mark.frontends  # the frontends are children too, and they drain with the server
 

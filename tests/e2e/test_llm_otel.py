@@ -24,13 +24,6 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT}-01"
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = OtlpReceiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver):
     from tests.backends.llm.tiny_model import build_model
 

@@ -116,13 +116,6 @@ def _repo(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    r = OtlpReceiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver):
     root = tmp_path_factory.mktemp("otel")
     proc = start_pier([_repo(root)], "--trace-config=mode=opentelemetry",
