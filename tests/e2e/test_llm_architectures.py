@@ -12,25 +12,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.backends.llm.tiny_model import ARCHITECTURES as MODELS
 from tests.conftest import PierProcess, start_pier
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
-# name -> (build_model arch, its settings): small windows so that the prompts pass them
-MODELS: dict[str, tuple[str, dict]] = {
-    "qwen3": ("qwen3", {"head_dim": 32, "random_norms": True}),
-    "gemma2": ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0,
-                          "tie_word_embeddings": True, "random_norms": True}),
-    "gemma3": ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                               "tie_word_embeddings": True, "random_norms": True,
-                               "layer_types": ["sliding_attention", "full_attention"]}),
-    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 8, "pad_token_id": 0}),
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 12}),
-    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
-                                "mlp_only_layers": [1], "norm_topk_prob": True}),
-}
 CONFIG = 'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
 
 

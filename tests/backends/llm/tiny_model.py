@@ -94,3 +94,19 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, devic
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+# name -> (build_model arch, its settings): small windows so that the prompts pass them
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3", {"head_dim": 32, "random_norms": True}),
+    "gemma2": ("gemma2", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0,
+                          "tie_word_embeddings": True, "random_norms": True}),
+    "gemma3": ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                               "tie_word_embeddings": True, "random_norms": True,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 8, "pad_token_id": 0}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 12}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                "mlp_only_layers": [1], "norm_topk_prob": True}),
+}
