@@ -30,7 +30,8 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import GrammarBitmask, SchedulerOutput
-from .spec_decode import NgramProposer
+from .spec_decode import Proposer
+from .spec_draft import check_tokenizers, draft_folder
 from .structured import GrammarCompiler, grammar_bitmask
 from .tokenizer import Tokenizer
 
@@ -82,26 +83,35 @@ class LLMEngine:
             torch.set_num_threads(par.num_threads)
         self.model = registry.load_model(folder, model_cls, mc, DTYPES[model.dtype], self.device,
                                          self.max_model_len + 1, progress)
-        per_block = kv_bytes_per_block(self.model, cache.block_size)
+        spec = sched.speculative_config
+        self.draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
+        if spec is not None and spec.model is not None:
+            dfolder = draft_folder(spec.model, folder)
+            check_tokenizers(folder, dfolder)
+            draft_cls, draft_mc = registry.resolve(dfolder)
+            self.draft = registry.load_model(dfolder, draft_cls, draft_mc, DTYPES[model.dtype], self.device,
+                                             self.max_model_len + 1, progress)
+        per_block = sum(kv_bytes_per_block(m, cache.block_size) for m in (self.model, self.draft) if m is not None)
         num_blocks = self._kv_budget() // per_block
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.swap_space_bytes // per_block if sched.preemption_mode == "swap" else 0)
         self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
         ops = None
         if (model.attention == "auto" and self.device.type == "cpu" and model.dtype == "float32"
-                and cache.block_size <= 64 and mc.head_dim % 4 == 0):
+                and cache.block_size <= 64 and mc.head_dim % 4 == 0
+                and (self.draft is None or self.draft.config.head_dim % 4 == 0)):
             if progress is not None:
                 progress(LoadProgress("building the CPU kernels (compiled once, then cached)"))
             ops = kernels.load()
         if ops is not None:
-            self.model.use_kernels(ops)
+            for m in (self.model, self.draft):
+                if m is not None:
+                    m.use_kernels(ops)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.runner = ModelRunner(self.model, cache.block_size, num_blocks, self.kv.cpu_pool.num_blocks, self.eos_ids,
-                                  None if ops is None else ops.paged_decode_attention)
-        spec = sched.speculative_config
-        self.scheduler = Scheduler(cfg, self.kv,
-                                   None if spec is None else NgramProposer(spec, self.max_model_len).propose)
+                                  None if ops is None else ops.paged_decode_attention, self.draft)
+        self.scheduler = Scheduler(cfg, self.kv, None if spec is None else Proposer(spec, self.max_model_len).propose)
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
         self.generation_defaults = _generation_defaults(folder) if model.generation_config == "auto" else {}
         self.inputs = InputProcessor(self.tokenizer, self.grammars, self.max_model_len, mc.vocab_size,

@@ -18,6 +18,7 @@ from .outputs import ModelRunnerOutput, PromptLogprobs
 from .sampler import SamplingState, sample
 from .scheduler_output import GrammarBitmask, ScheduledSeq, SchedulerOutput
 from .spec_decode import SpecDecodeStats, verify
+from .spec_draft import Drafter
 
 # A decode group closes when the next (longer) sequence needs this many times the blocks of the
 # group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
@@ -34,7 +35,10 @@ class ModelRunner:
     """Runs one step of the model over paged KV caches."""
 
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
-                 eos_ids: tuple[int, ...], decode_op: Callable[..., None] | None = None) -> None:
+                 eos_ids: tuple[int, ...], decode_op: Callable[..., None] | None = None,
+                 draft: CausalLM | None = None) -> None:
+        """`draft`: speculative decoding's draft model (spec_draft.py), with KV caches of its own
+        under the same block ids."""
         self.model = model
         self.eos_ids = eos_ids
         self.states: dict[str, SamplingState] = {}  # seq id -> its sampler state
@@ -43,6 +47,11 @@ class ModelRunner:
         self.spec_stats = SpecDecodeStats()
         specs = model.kv_cache_specs()
         self.kv_caches = [self._cache(s, num_blocks, model.device) for s in specs]
+        self.drafter = None
+        if draft is not None:
+            self.drafter = Drafter(draft, [self._cache(s, num_blocks, model.device) for s in draft.kv_cache_specs()],
+                                   model.config.vocab_size)
+            specs = [*specs, *draft.kv_cache_specs()]  # the swap area holds both models' blocks
         self.cpu_caches = [self._cache(s, num_cpu_blocks, torch.device("cpu"), pin=model.device.type == "cuda")
                            for s in specs] if num_cpu_blocks else []
 
@@ -68,7 +77,9 @@ class ModelRunner:
         self._move_blocks(so)
         if not so.scheduled:
             return out
-        hidden, sampling, lp_rows = self._forward(so)
+        if self.drafter is not None:  # the draft model fills in the drafts the scheduler made room for
+            self.drafter.propose(self.forward, so)
+        hidden, sampling, lp_rows = self.forward(so)
         for s, a, n in lp_rows:
             out.prompt_logprobs[s.seq_id] = self._prompt_logprobs(s, hidden[a : a + n])
         if not sampling:
@@ -108,8 +119,10 @@ class ModelRunner:
             verified = verify([results[j] for j in spec], spec_drafts, [picked[j] for j in spec],
                               self.model.compute_logits(hidden[torch.tensor(draft_rows, device=dev)]),
                               lambda lg, st: sample(lg, st, self.eos_ids), self.spec_stats)
-            for j, tokens in zip(spec, verified):
+            for j, tokens, d in zip(spec, verified, spec_drafts):
                 per_entry[j] = tokens
+                if self.drafter is not None:
+                    self.drafter.verified(seq_ids[sampled[j]], len(tokens) > len(d))
         for i, tokens, st in zip(sampled, per_entry, picked):  # a sequence's tokens in order
             want_lp = st.params.logprobs is not None
             for r in tokens:
@@ -118,10 +131,12 @@ class ModelRunner:
                 out.logprobs.append((r.logprob, r.top_logprobs) if want_lp else None)  # type: ignore[arg-type]
         return out
 
-    def _forward(self, so: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, ScheduledSeq]],
-                                                      list[tuple[ScheduledSeq, int, int]]]:
-        """Run the model over the step's tokens: (hidden states, (row, seq) of each chunk that samples,
-        (seq, first row, rows) of each chunk that wants prompt logprobs)."""
+    def forward(self, so: SchedulerOutput, model: CausalLM | None = None,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> tuple[torch.Tensor, list[tuple[int, ScheduledSeq]], list[tuple[ScheduledSeq, int, int]]]:
+        """Run the model (or `model` over `kv_caches`: the draft's) over the step's tokens: (hidden
+        states, (row, seq) of each chunk that samples, (seq, first row, rows) of each chunk that
+        wants prompt logprobs)."""
         decodes = sorted((s for s in so.scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         ids: list[int] = []
@@ -165,8 +180,8 @@ class ModelRunner:
                 sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
-        hidden = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                    self.kv_caches, meta)
+        hidden = (model or self.model).forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                               self.kv_caches if kv_caches is None else kv_caches, meta)
         return hidden, sampling, lp_rows
 
     def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor) -> PromptLogprobs:
@@ -225,22 +240,24 @@ class ModelRunner:
         return groups
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
+        """The scheduler's block moves, in every KV cache (the draft model's too)."""
         dev = self.model.device
+        caches = self.kv_caches if self.drafter is None else [*self.kv_caches, *self.drafter.caches]
         if so.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=dev)
             dst = torch.tensor([c for _, c in so.blocks_to_swap_out])
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            for (k, v), (ck, cv) in zip(caches, self.cpu_caches):
                 ck[:, dst] = k[:, src].cpu()
                 cv[:, dst] = v[:, src].cpu()
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=dev)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=dev)
-            for k, v in self.kv_caches:
+            for k, v in caches:
                 k[:, dst] = k[:, src]
                 v[:, dst] = v[:, src]
         if so.blocks_to_swap_in:
             src = torch.tensor([c for c, _ in so.blocks_to_swap_in])
             dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=dev)
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            for (k, v), (ck, cv) in zip(caches, self.cpu_caches):
                 k[:, dst] = ck[:, src].to(dev)
                 v[:, dst] = cv[:, src].to(dev)

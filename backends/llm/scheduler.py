@@ -32,7 +32,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  propose: Callable[[SequenceState], list[int]] | None = None) -> None:
-        """`propose`: speculative decoding's draft hook (spec_decode.NgramProposer.propose): draft
+        """`propose`: speculative decoding's draft hook (spec_decode.Proposer.propose): draft
         tokens for a sequence about to decode, scheduled with its last token when they fit."""
         self.config = config.scheduler
         self.kv = kv

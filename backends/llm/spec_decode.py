@@ -1,23 +1,28 @@
-"""Speculative decoding with n-gram prompt lookup (vLLM's `speculative_config` method "ngram").
+"""Speculative decoding (vLLM's `speculative_config`): n-gram prompt lookup or a draft model.
 
 Three parts, each where its data lives:
 - `SpeculativeConfig`: the model's `speculative_config` parameter (vLLM's JSON), checked once;
   every refusal names the field.
-- `NgramProposer` (the scheduler's hook): before a decode step, the continuation of the longest
-  n-gram (n in [prompt_lookup_min, prompt_lookup_max]) that ends the sequence and occurred earlier,
-  at its earliest occurrence (vLLM's proposer), up to `num_speculative_tokens` tokens. The scheduler
-  schedules the sequence's last token and the drafts together (K + 1 positions, one forward pass),
-  and after the step rolls back what was rejected (`Scheduler.rollback`: KV blocks past the accepted
-  tokens go back to the pool; prefix-cache hashes only ever cover accepted tokens).
+- `Proposer` (the scheduler's hook): how many drafts a sequence about to decode gets and, for the
+  n-gram method, which: the continuation of the longest n-gram (n in [prompt_lookup_min,
+  prompt_lookup_max]) that ends the sequence and occurred earlier, at its earliest occurrence
+  (vLLM's proposer), up to `num_speculative_tokens` tokens. With a draft model the scheduler
+  reserves the K positions and the model runner's draft model (spec_draft.py) fills them in before
+  the target's forward. The scheduler schedules the sequence's last token and the drafts together
+  (K + 1 positions, one forward pass), and after the step rolls back what was rejected
+  (`Scheduler.rollback`: KV blocks past the accepted tokens go back to the pool; prefix-cache hashes
+  only ever cover accepted tokens).
 - `verify` (the model runner's): the draft positions' logits are sampled one position after the
   other with the ordinary sampler and each sequence's own sampling state, and a draft token is
   accepted while it equals the token sampled there; the first sampled token that differs (or the
   bonus token after the last draft) ends the sequence's step. For n-gram drafts the draft
   distribution q is one-hot, and for a one-hot q vLLM's rejection sampler (accept x when
   p(x)/q(x) >= u, else draw from max(p - q, 0)) is exactly this: accept with probability p(x), else
-  draw from p without x. So greedy output equals decoding without speculation, and sampled output
-  has the same distribution, with every setting (penalties, logit bias, min-p, top-k, seeds)
-  applied by the same code as without speculation; a seeded request even draws the same numbers.
+  draw from p without x. A draft model drafts greedily (vLLM's default `draft_sample_method`
+  "greedy": its distribution is taken as one-hot), so the same holds for it. So greedy output
+  equals decoding without speculation, and sampled output has the same distribution, with every
+  setting (penalties, logit bias, min-p, top-k, seeds) applied by the same code as without
+  speculation; a seeded request even draws the same numbers.
 Requests with structured output get no drafts (their grammar's mask is computed for one position
 a step) and decode one token a step in the same batch.
 """
@@ -43,12 +48,15 @@ _FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "pr
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """A checked `speculative_config`: n-gram prompt lookup of `num_speculative_tokens` tokens."""
+    """A checked `speculative_config`: `num_speculative_tokens` drafts a step, by n-gram prompt
+    lookup or (method "draft_model") by the model in the folder `model` (a relative path is relative
+    to the served model's folder; the engine resolves and checks it at load)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     method: str = "ngram"
+    model: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig | None:
@@ -71,16 +79,24 @@ class SpeculativeConfig:
             method, model = "ngram", None
         if method is None and model is not None:
             method = "draft_model"
-        if method == "draft_model" or model is not None:
-            raise ValueError("speculative_config: method 'draft_model' (a draft model in 'model') is not "
-                             "implemented by this engine yet; use method 'ngram'")
-        if method != "ngram":
-            raise ValueError(f"speculative_config: method {method!r} is not supported (supported: 'ngram')")
-        k = _int(raw, "num_speculative_tokens", required=True)
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config: method {method!r} is not supported "
+                             "(supported: 'ngram', 'draft_model')")
+        k = _int(raw, "num_speculative_tokens", method, required=True)
         if not 1 <= k <= MAX_SPEC_LEN:
             raise ValueError(f"speculative_config: num_speculative_tokens must be between 1 and {MAX_SPEC_LEN}, "
                              f"got {k}")
-        lo, hi = _int(raw, "prompt_lookup_min"), _int(raw, "prompt_lookup_max")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model.strip():
+                raise ValueError("speculative_config: method 'draft_model' needs 'model', the folder of the draft "
+                                 f"model, got {model!r}")
+            given = [f for f in ("prompt_lookup_min", "prompt_lookup_max") if f in raw]
+            if given:
+                raise ValueError(f"speculative_config: {', '.join(given)} only apply to method 'ngram'")
+            return cls(k, method="draft_model", model=model)
+        if model is not None:
+            raise ValueError(f"speculative_config: method 'ngram' takes no 'model', got {model!r}")
+        lo, hi = _int(raw, "prompt_lookup_min", method), _int(raw, "prompt_lookup_max", method)
         if lo is None and hi is None:
             lo = hi = 5  # vLLM's default for both
         lo = hi if lo is None else lo
@@ -94,11 +110,11 @@ class SpeculativeConfig:
         return cls(k, lo, hi)
 
 
-def _int(raw: dict[str, Any], name: str, required: bool = False) -> Any:
+def _int(raw: dict[str, Any], name: str, method: str, required: bool = False) -> Any:
     value = raw.get(name)
     if value is None:
         if required:
-            raise ValueError(f"speculative_config: {name} is required for method 'ngram'")
+            raise ValueError(f"speculative_config: {name} is required for method {method!r}")
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}")
@@ -118,8 +134,9 @@ def ngram_lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
     return []
 
 
-class NgramProposer:
-    """The scheduler's draft hook: drafts for a sequence about to decode, or [] (no draft)."""
+class Proposer:
+    """The scheduler's draft hook: drafts for a sequence about to decode, or [] (no draft). With a
+    draft model the drafts are placeholders (0) that the model runner's draft model fills in."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -136,6 +153,8 @@ class NgramProposer:
         if k <= 0:
             return []
         c = self.config
+        if c.method == "draft_model":
+            return [0] * k
         return ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
 

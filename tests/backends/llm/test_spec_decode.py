@@ -5,7 +5,6 @@ prefix caching, with exact block accounting), and sampling whose distribution is
 from __future__ import annotations
 
 import math
-import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -19,9 +18,8 @@ from pier.backends.llm.engine import LLMEngine
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.spec_decode import SpeculativeConfig, ngram_lookup
 
-from .tiny_model import build_model, hf_greedy
-
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+SMALL_NGRAM = SpeculativeConfig(3, 1, 3)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
@@ -50,6 +48,9 @@ def test_speculative_config_parses_as_vllm():
     assert parse('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, '
                  '"prompt_lookup_max": 4}') == SpeculativeConfig(2, 2, 4)
     assert parse('{"model": "[ngram]", "num_speculative_tokens": 2}') == SpeculativeConfig(2, 5, 5)
+    draft = SpeculativeConfig(3, method="draft_model", model="../draft")
+    assert parse('{"model": "../draft", "num_speculative_tokens": 3}') == draft
+    assert parse('{"method": "draft_model", "model": "../draft", "num_speculative_tokens": 3}') == draft
 
 
 @pytest.mark.parametrize("text, words", [
@@ -64,7 +65,11 @@ def test_speculative_config_parses_as_vllm():
      "prompt_lookup_min must be at least 1"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "unsupported field(s) lookahead"),
     ('{"method": "eagle", "num_speculative_tokens": 4}', "method 'eagle' is not supported"),
-    ('{"model": "/models/small", "num_speculative_tokens": 4}', "method 'draft_model'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "method 'draft_model' needs 'model'"),
+    ('{"model": "small", "num_speculative_tokens": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_max only apply to method 'ngram'"),
+    ('{"model": "small"}', "num_speculative_tokens is required for method 'draft_model'"),
+    ('{"method": "ngram", "model": "small", "num_speculative_tokens": 4}', "method 'ngram' takes no 'model'"),
 ])
 def test_bad_speculative_config_names_the_field(text, words):
     with pytest.raises(ValueError) as err:
@@ -76,22 +81,6 @@ def test_bad_speculative_config_names_the_field(text, words):
 def engine(folder: Path, **kw: object) -> LLMEngine:
     kw.setdefault("kv_cache_memory_bytes", 4 << 20)
     return LLMEngine(folder, EngineConfig(**kw))  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module")
-def repetitive() -> list[list[int]]:
-    """Prompts that repeat spans (so prompt lookup finds drafts) and one that does not."""
-    rng = random.Random(5)
-    out = []
-    for n, reps in ((5, 4), (9, 3), (3, 7), (23, 1)):
-        span = [rng.randrange(2, 320) for _ in range(n)]
-        out.append(span * reps + span[: n // 2])
-    return out
-
-
-@pytest.fixture(scope="module")
-def repetitive_reference(llama_dir, repetitive) -> list[list[int]]:
-    return hf_greedy(llama_dir, repetitive, 40)
 
 
 def step_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -183,18 +172,10 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
-    """A vocabulary of 8 tokens (the sampled tokens' distribution has few cells), and a prompt
-    that is the model's own greedy path, so that prompt lookup's drafts are often accepted."""
-    folder = build_model(tmp_path_factory.mktemp("small") / "model", "llama", vocab_size=8)
-    return folder, [2, 3, 4, 5, *hf_greedy(folder, [[2, 3, 4, 5]], 20)[0]]
-
-
-def sample_all(model: tuple[Path, list[int]], spec: bool, n: int, setting: dict[str, object], seeded: bool
-               ) -> list[list[int]]:
+def sample_all(model: tuple[Path, list[int]], spec: bool, n: int, setting: dict[str, object], seeded: bool,
+               config: SpeculativeConfig = SMALL_NGRAM) -> list[list[int]]:
     folder, prompt = model
-    eng = engine(folder, block_size=4, speculative_config=SpeculativeConfig(3, 1, 3) if spec else None)
+    eng = engine(folder, block_size=4, speculative_config=config if spec else None)
     torch.manual_seed(1234)
     params = [SamplingParams.from_json({**setting, "max_tokens": 5, "ignore_eos": True,
                                         **({"seed": i} if seeded else {})}) for i in range(n)]

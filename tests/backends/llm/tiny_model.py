@@ -110,3 +110,26 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
                                 "mlp_only_layers": [1], "norm_topk_prob": True}),
 }
+
+
+def truncated_copy(src: Path, dst: Path, num_layers: int) -> Path:
+    """`src`'s first `num_layers` decoder layers (its embedding, final norm, LM head and tokenizer
+    as they are) saved to `dst`: a draft model for speculative decoding that shares the tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    keep = {k: v.contiguous() for k, v in tensors.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    save_file(keep, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
