@@ -184,6 +184,8 @@ def run_dtype(folder: Path, dtype: str, a: argparse.Namespace, tmp: Path, res: d
             for s in stop:
                 s.stop()
     pier, vllm = runs[f"pier {short}"], runs.get(f"vLLM {short}")
+    for name, rr in runs.items():  # the first round's answers, to set bfloat16's beside float32's
+        res["texts"][name] = rr[0]["texts"]
     res["first_answer"][f"pier {short}"] = pier[0]["texts"][0]
     if vllm:
         res["first_answer"][f"vLLM {short}"] = vllm[0]["texts"][0]
@@ -205,6 +207,24 @@ def run_dtype(folder: Path, dtype: str, a: argparse.Namespace, tmp: Path, res: d
         res["runs"][name] = rr
 
 
+def _prefix_share(a: str, b: str) -> float:
+    """How much of `a` (a float32 answer) `b` repeats before the first difference."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), 1)
+
+
+def bf16_quality(res: dict[str, Any]) -> None:
+    """Each server's bfloat16 answers against its own float32 answers (same prompts, greedy):
+    how many are the same text, and the mean share of the float32 text kept before they part."""
+    texts = res.pop("texts")
+    for name in texts:
+        if name.endswith(" bf16") and name[:-5] + " fp32" in texts:
+            ref, got = texts[name[:-5] + " fp32"], texts[name]
+            res["bf16_vs_fp32"][name[:-5]] = {
+                "same": sum(a == b for a, b in zip(ref, got)), "of": len(ref),
+                "prefix_share": statistics.mean(_prefix_share(a, b) for a, b in zip(ref, got))}
+
+
 def write_report(res: dict[str, Any], name: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=2))
@@ -223,12 +243,16 @@ def write_report(res: dict[str, Any], name: str) -> Path:
     lines = [f"# A real model through the OpenAI API: SmolLM2-135M-Instruct, {res['requests']} chat streams at once",
              "", res["workload"], "", f"Machine: {res['machine']} — the 2 cores are shared by the server, the "
              f"load generator and the model; load average {res['load_start']} at the start, {res['load_end']} at "
-             "the end. vLLM: VLLM_CPU_OMP_THREADS_BIND unset, so serve.sh's default (every core, 0-1).", "",
+             f"the end. vLLM: {res['vllm_bind']}.", "",
              *rows, "", "Per-round ratios (median, min-max over rounds):", ""]
     lines += [f"- {text}: {_spread(values)}" for text, values in res["ratios"].items()]
     if res["same_text"]:
         lines += ["", "Answers with the same text on both servers (first round): " + ", ".join(
             f"{k}: {v} of {res['requests']}" for k, v in res["same_text"].items()) + "."]
+    if res["bf16_vs_fp32"]:
+        lines += ["", "bfloat16 against float32, each server its own (greedy, first round): " + "; ".join(
+            f"{k}: {v['same']} of {v['of']} answers the same text, {v['prefix_share']:.0%} of the float32 text "
+            "kept on average before the first difference" for k, v in res["bf16_vs_fp32"].items()) + "."]
     lines += ["", "First answer, each server (first round):", ""]
     lines += [f"- {k}: {v[:160]!r}" for k, v in res["first_answer"].items()]
     lines += ["", "Measured with `python -m bench.llm_real_model` (one run; contenders interleaved round by round). "
@@ -255,7 +279,10 @@ def main() -> None:
         return
     res: dict[str, Any] = {
         "requests": a.requests, "machine": machine(), "load_start": loadavg(), "runs": {}, "ratios": {},
-        "same_text": {}, "first_answer": {},
+        "same_text": {}, "first_answer": {}, "texts": {}, "bf16_vs_fp32": {},
+        "vllm_bind": (f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}"
+                      if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") else
+                      "VLLM_CPU_OMP_THREADS_BIND unset, so serve.sh's default (every core)"),
         "workload": (f"{a.requests} chat requests (short user messages, the model's chat template), all at once, "
                      f"streamed, greedy, {TOKENS} tokens each (ignore_eos); {a.rounds} interleaved rounds."),
     }
@@ -263,6 +290,7 @@ def main() -> None:
         for dtype in a.dtypes.split(","):
             run_dtype(folder, dtype, a, Path(tmp), res)
     res["load_end"] = loadavg()
+    bf16_quality(res)
     print(write_report(res, a.name).read_text())
 
 
