@@ -22,6 +22,7 @@ from . import kernels
 from .config import EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
+from .layers.linear import gemm_dtype, onednn_available
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models import registry
 from .models.interface import DTYPES
@@ -58,6 +59,16 @@ def _generation_defaults(folder: Path) -> dict[str, Any]:
             if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
 
 
+def _dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(activations' dtype, the projections' GEMM dtype or None for the same) of a `dtype` setting.
+    bfloat16 on a CPU where oneDNN runs it is CPU autocast's split: bfloat16 weights and GEMMs (twice
+    float32's rate with AVX-512 BF16), float32 activations, norms, attention and KV cache (so the
+    compiled kernels serve it too): 1.6x float32's decode step on SmolLM2-135M (docs/llm.md)."""
+    if name == "bfloat16" and onednn_available(torch.bfloat16, device):
+        return torch.float32, torch.bfloat16
+    return DTYPES[name], None
+
+
 def _device(cfg: ParallelConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,23 +92,25 @@ class LLMEngine:
         self.device = _device(par)
         if par.num_threads is not None:
             torch.set_num_threads(par.num_threads)
-        self.model = registry.load_model(folder, model_cls, mc, DTYPES[model.dtype], self.device,
-                                         self.max_model_len + 1, progress)
+        dtype, gemm = _dtypes(model.dtype, self.device)
         spec = sched.speculative_config
         self.draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
-        if spec is not None and spec.model is not None:
-            dfolder = draft_folder(spec.model, folder)
-            check_tokenizers(folder, dfolder)
-            draft_cls, draft_mc = registry.resolve(dfolder)
-            self.draft = registry.load_model(dfolder, draft_cls, draft_mc, DTYPES[model.dtype], self.device,
-                                             self.max_model_len + 1, progress)
+        with gemm_dtype(gemm):
+            self.model = registry.load_model(folder, model_cls, mc, dtype, self.device, self.max_model_len + 1,
+                                             progress)
+            if spec is not None and spec.model is not None:
+                dfolder = draft_folder(spec.model, folder)
+                check_tokenizers(folder, dfolder)
+                draft_cls, draft_mc = registry.resolve(dfolder)
+                self.draft = registry.load_model(dfolder, draft_cls, draft_mc, dtype, self.device,
+                                                 self.max_model_len + 1, progress)
         per_block = sum(kv_bytes_per_block(m, cache.block_size) for m in (self.model, self.draft) if m is not None)
         num_blocks = self._kv_budget() // per_block
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.swap_space_bytes // per_block if sched.preemption_mode == "swap" else 0)
         self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
         ops = None
-        if (model.attention == "auto" and self.device.type == "cpu" and model.dtype == "float32"
+        if (model.attention == "auto" and self.device.type == "cpu" and dtype == torch.float32
                 and cache.block_size <= 64 and mc.head_dim % 4 == 0
                 and (self.draft is None or self.draft.config.head_dim % 4 == 0)):
             if progress is not None:

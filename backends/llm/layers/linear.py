@@ -10,6 +10,9 @@ Tensor parallelism will shard in `load` (column- or row-wise by output or input)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Protocol
 
 import torch
@@ -61,21 +64,53 @@ class OneDNNLinearMethod:
     also calls oneDNN). No per-call packing of the weight: 1.3-1.5x MKL's `mm` on a decode step's
     GEMMs of a 135 M model, 1.9x on its LM head (64 rows; the step before and after:
     bench/results/llm_profile.md). The residual add
-    is oneDNN's binary post-op (a new tensor: oneDNN writes no input in place)."""
+    is oneDNN's binary post-op (a new tensor: oneDNN writes no input in place).
+
+    `gemm_dtype` (bfloat16 under float32 activations): the weight is stored in that dtype and each
+    product casts its input to it and its output back (the bias added in the activations' dtype),
+    as CPU autocast runs linear layers: bfloat16 GEMMs run at twice float32's rate on a CPU with
+    AVX-512 BF16 (bench/results/llm_roofline.md) while norms, attention and the KV cache stay float32."""
+
+    def __init__(self, gemm_dtype: torch.dtype | None = None) -> None:
+        self.gemm_dtype = gemm_dtype
 
     def process(self, layer: Linear, weight: torch.Tensor) -> None:
+        if self.gemm_dtype is not None:
+            weight = weight.to(self.gemm_dtype)
         layer.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         w = layer.weight
         assert w is not None, f"{layer.name}: not loaded"
+        if self.gemm_dtype is not None and x.dtype != self.gemm_dtype:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(self.gemm_dtype), w, None, "none", [], "")
+            out = residual.add_(y) if residual is not None else y.to(x.dtype)
+            return out if layer.bias is None else out.add_(layer.bias)
         if residual is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, layer.bias, "add")
         return torch.ops.mkldnn._linear_pointwise(x, w, layer.bias, "none", [], "")
 
 
+# The GEMM dtype the layers built inside `gemm_dtype(...)` get (None: their own dtype).
+_GEMM_DTYPE: ContextVar[torch.dtype | None] = ContextVar("pier_llm_gemm_dtype", default=None)
+
+
+@contextlib.contextmanager
+def gemm_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Inside: `default_method` gives the projections built (and tied) here `dtype` GEMMs on their own
+    activations' dtype (the engine's CPU bfloat16: bfloat16 weights under float32 activations)."""
+    token = _GEMM_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _GEMM_DTYPE.reset(token)
+
+
 def default_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
     """oneDNN's where it serves the dtype and device, else the plain transposed weight."""
+    gemm = _GEMM_DTYPE.get()
+    if gemm is not None and gemm != dtype and onednn_available(gemm, device):
+        return OneDNNLinearMethod(gemm)
     return OneDNNLinearMethod() if onednn_available(dtype, device) else UnquantizedLinearMethod()
 
 
