@@ -19,7 +19,7 @@ from pier.contract.backend import MAX_THREADS
 
 from .spec_decode import SpeculativeConfig
 
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
 # vLLM's kv_cache_dtype values; only "auto" (the model's dtype) is implemented: an FP8 cache (issue 34,
@@ -32,6 +32,9 @@ class ModelConfig:
     """The model as served: its folder (None: the version folder), dtype, context and answer defaults."""
 
     model_path: Path | None = None
+    # "auto": bfloat16 for a bfloat16 checkpoint on CPU (engine._dtypes: bfloat16 GEMMs on float32
+    # activations, 1.6x float32's decode step), float32 otherwise. A served model's default
+    # (`from_parameters`, as vLLM's --dtype auto); an EngineConfig built in code keeps float32.
     dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's own limit
     # "auto": the model folder's generation_config.json supplies sampling defaults (temperature,
@@ -204,6 +207,7 @@ class EngineConfig:
                 kwargs[name] = _parse(name, text)
             except ValueError:
                 raise ValueError(f"parameter {name}: invalid value {raw!r}") from None
+        kwargs.setdefault("dtype", "auto")  # served: a bfloat16 checkpoint runs CPU bfloat16, as vLLM's default
         kwargs.update(overrides)
         return cls(**kwargs)
 

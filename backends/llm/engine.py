@@ -59,11 +59,20 @@ def _generation_defaults(folder: Path) -> dict[str, Any]:
             if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw[theirs], bool)}
 
 
-def _dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+def _dtypes(name: str, device: torch.device, folder: Path) -> tuple[torch.dtype, torch.dtype | None]:
     """(activations' dtype, the projections' GEMM dtype or None for the same) of a `dtype` setting.
     bfloat16 on a CPU where oneDNN runs it is CPU autocast's split: bfloat16 weights and GEMMs (twice
     float32's rate with AVX-512 BF16), float32 activations, norms, attention and KV cache (so the
-    compiled kernels serve it too): 1.6x float32's decode step on SmolLM2-135M (docs/llm.md)."""
+    compiled kernels serve it too): 1.6x float32's decode step on SmolLM2-135M (docs/llm.md).
+    "auto" is that for a checkpoint stored in bfloat16 on such a CPU (as vLLM's CPU default keeps a
+    bfloat16 checkpoint's dtype), float32 for every other checkpoint and device."""
+    if name == "auto":
+        try:
+            raw = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = {}
+        stored = (raw.get("dtype") or raw.get("torch_dtype")) if isinstance(raw, dict) else None
+        name = "bfloat16" if stored == "bfloat16" and onednn_available(torch.bfloat16, device) else "float32"
     if name == "bfloat16" and onednn_available(torch.bfloat16, device):
         return torch.float32, torch.bfloat16
     return DTYPES[name], None
@@ -92,7 +101,7 @@ class LLMEngine:
         self.device = _device(par)
         if par.num_threads is not None:
             torch.set_num_threads(par.num_threads)
-        dtype, gemm = _dtypes(model.dtype, self.device)
+        dtype, gemm = _dtypes(model.dtype, self.device, folder)
         spec = sched.speculative_config
         self.draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
         with gemm_dtype(gemm):

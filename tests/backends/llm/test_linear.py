@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,3 +53,25 @@ def test_engine_cpu_bfloat16_runs_bf16_projections_on_float32(llama_dir, prompts
     got, want = bf.generate(prompts, greedy), fp.generate(prompts, greedy)
     assert all(len(o[0]) == 8 for o in got)
     assert sum(g[0][0] == w[0][0] for g, w in zip(got, want)) >= len(prompts) // 2
+
+
+def test_dtype_auto_is_bfloat16_for_a_bfloat16_checkpoint_on_cpu(llama_dir, tmp_path):
+    """A served model's default dtype, "auto": a checkpoint whose config says bfloat16 (transformers
+    5's `dtype` or the older `torch_dtype`) runs CPU bfloat16; a float32 one runs float32."""
+    import shutil
+
+    params = {"kv_cache_memory_bytes": str(4 << 20)}  # a served model's parameters: no dtype set
+    default = LLMEngine.from_parameters(llama_dir, params)
+    assert default.model.layers[0].o_proj.method.gemm_dtype is None  # type: ignore[attr-defined]
+    for key in ("dtype", "torch_dtype"):
+        folder = tmp_path / key
+        shutil.copytree(llama_dir, folder)
+        raw = json.loads((folder / "config.json").read_text())
+        raw.pop("dtype", None)
+        raw[key] = "bfloat16"
+        (folder / "config.json").write_text(json.dumps(raw))
+        eng = LLMEngine.from_parameters(folder, params)
+        assert eng.model.layers[0].o_proj.method.gemm_dtype == torch.bfloat16  # type: ignore[attr-defined]
+        assert eng.model.dtype == torch.float32
+        in_code = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))  # EngineConfig's own: float32
+        assert in_code.model.layers[0].o_proj.method.gemm_dtype is None  # type: ignore[attr-defined]
