@@ -185,7 +185,8 @@ def run_dtype(folder: Path, dtype: str, a: argparse.Namespace, tmp: Path, res: d
                 s.stop()
     pier, vllm = runs[f"pier {short}"], runs.get(f"vLLM {short}")
     for name, rr in runs.items():  # the first round's answers, to set bfloat16's beside float32's
-        res["texts"][name] = rr[0]["texts"]
+        if "texts" in rr[0]:
+            res["texts"][name] = rr[0]["texts"]
     res["first_answer"][f"pier {short}"] = pier[0]["texts"][0]
     if vllm:
         res["first_answer"][f"vLLM {short}"] = vllm[0]["texts"][0]
