@@ -2,8 +2,8 @@
 
 Grouped as vLLM's VllmConfig groups them: `ModelConfig` (what runs and how it answers),
 `CacheConfig` (the paged KV cache), `SchedulerConfig` (what runs together), `ParallelConfig` (where
-the engine runs: the device, its threads, its own process or a thread; tensor-parallel ranks will
-join it). Each part is handed to the component that needs it. The config.pbtxt parameters stay flat
+the engine runs: the device, its threads, its own process or a thread, its tensor-parallel ranks).
+Each part is handed to the component that needs it. The config.pbtxt parameters stay flat
 (vLLM's engine arguments are too): `EngineConfig(block_size=8, ...)` and `from_parameters` route each
 setting to its group, and `config.block_size` reads it from there.
 """
@@ -124,10 +124,19 @@ class ParallelConfig:
     # gRPC, tokenization and streaming), so the two do not share one interpreter lock, and a crash
     # of the engine takes down only this model; "thread": on a thread of the server's process.
     engine_core: str = "process"
+    # vLLM's name: the model split over this many ranks (processes), Megatron-style (parallel/); the
+    # engine-core process is rank 0 and starts the others. `num_threads`, when set, is per rank; unset,
+    # each rank takes an equal share of the machine's threads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "thread"):
             raise ValueError(f"engine_core must be 'process' or 'thread', got {self.engine_core!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.engine_core != "process":
+            raise ValueError("tensor_parallel_size > 1 needs engine_core 'process': the engine-core process is "
+                             "rank 0 of the group (a server process cannot be a rank)")
         if self.num_threads is not None and not 1 <= self.num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be between 1 and {MAX_THREADS}")
 

@@ -84,6 +84,7 @@ class EngineCoreClient(EngineClient):
         self._generation = 0
         self._pid = 0
         self._died = ""  # how the last core died
+        self._fatal = ""  # why the serving core said it exits (cm.Fatal)
         self._dead: str | None = None
         policy = RestartPolicy(MAX_RESTARTS, RESTART_WINDOW_S, RESTART_BACKOFF_S, MAX_BACKOFF_S)
         self._supervisor = Supervisor(self, policy, "llm-core", STOP_TIMEOUT_S)
@@ -189,6 +190,9 @@ class EngineCoreClient(EngineClient):
             with self._send_lock:
                 self._core = None
             self._died = reason = f"the LLM engine process (pid {child.pid}) {end.cause}"
+            if self._fatal:  # it said why before it exited (a tensor-parallel rank died)
+                self._died = reason = f"the LLM engine's {self._fatal}"
+                self._fatal = ""
             log.error("%s; its requests failed", reason)
             self._dead = reason
             self._on_health(reason)  # first: the model is UNAVAILABLE before any client hears of the failure
@@ -228,6 +232,8 @@ class EngineCoreClient(EngineClient):
                 self._fail(event.request_id, ValueError(event.message))
             elif isinstance(event, cm.PrefixCacheReset):
                 self._answer(event.token, event.ok)
+            elif isinstance(event, cm.Fatal):
+                self._fatal = event.message  # what `lost` says, as the process exits next
         return True
 
     @staticmethod

@@ -5,7 +5,7 @@
     server -> core   Init (once), then Add, Abort, and Stop         (Command)
     core -> server   Progress while it loads, Ready | LoadFailed (to Init), then per step Outputs (the
                      step's RequestOutputs and the engine's stats), and Refused for a request the
-                     engine would not take  (Event)
+                     engine would not take, Fatal before it exits when it cannot step any more  (Event)
 
 The first field of a message about one request is its id, so one that does not decode fails that
 request alone (pier.ipc.messages.BadMessage.ref). SamplingParams, RequestOutput, EngineStats and
@@ -98,13 +98,19 @@ class Refused(Message):
     message: str
 
 
+class Fatal(Message):
+    """The engine cannot step any more and the core exits (a tensor-parallel rank died): why."""
+
+    message: str
+
+
 class PrefixCacheReset(Message):
     token: str
     ok: bool  # False: requests held blocks, nothing was reset
 
 
 Command = Init | Add | Abort | Stop | ResetPrefixCache
-Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset
+Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset | Fatal
 
 COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
 EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")

@@ -19,15 +19,19 @@ import torch
 from pier.contract.backend import LoadProgress
 
 from . import kernels
-from .config import EngineConfig, ParallelConfig
+from .config import CacheConfig, EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
 from .layers.linear import gemm_dtype, onednn_available
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models import registry
-from .models.interface import DTYPES
+from .models.hf_config import ArchConfig
+from .models.interface import DTYPES, CausalLM
 from .output_processor import OutputProcessor
 from .outputs import EngineStats, RequestMetrics, RequestOutput
+from .parallel import shard
+from .parallel.executor import TensorParallelExecutor
+from .parallel.group import ParallelGroup
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import GrammarBitmask, SchedulerOutput
@@ -84,12 +88,59 @@ def _device(cfg: ParallelConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
+def _kv_budget(cfg: CacheConfig, device: torch.device) -> int:
+    """KV bytes (per rank under tensor parallelism, as vLLM's are per device)."""
+    if cfg.kv_cache_memory_bytes is not None:
+        return cfg.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(int(total * cfg.gpu_memory_utilization) - used, 0)
+    return _DEFAULT_CPU_KV_BYTES
+
+
+def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc: ArchConfig, device: torch.device,
+                 max_model_len: int, eos_ids: tuple[int, ...], progress: Callable[[LoadProgress], None] | None,
+                 group: ParallelGroup | None = None) -> ModelRunner:
+    """The model (this rank's shard of it, with `group`) loaded, its KV caches and the compiled CPU
+    kernels where they serve: what every rank builds alike."""
+    model, cache, spec = cfg.model, cfg.cache, cfg.scheduler.speculative_config
+    dtype, gemm = _dtypes(model.dtype, device, folder)
+    prepare = None if group is None else (lambda m: shard.shard_model(m, group))
+    draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
+    with gemm_dtype(gemm):
+        lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare)
+        if spec is not None and spec.model is not None:
+            dfolder = draft_folder(spec.model, folder)
+            check_tokenizers(folder, dfolder)
+            draft_cls, draft_mc = registry.resolve(dfolder)
+            draft = registry.load_model(dfolder, draft_cls, draft_mc, dtype, device, max_model_len + 1, progress)
+    per_block = sum(kv_bytes_per_block(m, cache.block_size) for m in (lm, draft) if m is not None)
+    num_blocks = _kv_budget(cache, device) // per_block
+    num_cpu = cache.swap_space_bytes // per_block if cfg.scheduler.preemption_mode == "swap" else 0
+    ops = None
+    if (model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
+            and cache.block_size <= 64 and mc.head_dim % 4 == 0
+            and (draft is None or draft.config.head_dim % 4 == 0)):
+        if progress is not None:
+            progress(LoadProgress("building the CPU kernels (compiled once, then cached)"))
+        ops = kernels.load()
+    if ops is not None:
+        for m in (lm, draft):
+            if m is not None:
+                m.use_kernels(ops)
+    return ModelRunner(lm, cache.block_size, num_blocks, num_cpu, eos_ids,
+                       None if ops is None else ops.paged_decode_attention, draft)
+
+
 class LLMEngine:
     """The synchronous engine. Not thread-safe: call it from one thread."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
-                 progress: Callable[[LoadProgress], None] | None = None) -> None:
-        """`progress` hears how the load goes (weights shard by shard, the kernels' build)."""
+                 progress: Callable[[LoadProgress], None] | None = None, socket_folder: str | None = None) -> None:
+        """`progress` hears how the load goes (weights shard by shard, the kernels' build);
+        `socket_folder`: where a tensor-parallel rank 0 binds its sockets to the other ranks (the
+        engine core's private folder; None: a scratch folder of its own)."""
         self.config = config or EngineConfig()
         cfg = self.config
         model, cache, sched, par = cfg.model, cfg.cache, cfg.scheduler, cfg.parallel
@@ -99,40 +150,36 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(model.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.device = _device(par)
-        if par.num_threads is not None:
-            torch.set_num_threads(par.num_threads)
-        dtype, gemm = _dtypes(model.dtype, self.device, folder)
-        spec = sched.speculative_config
-        self.draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
-        with gemm_dtype(gemm):
-            self.model = registry.load_model(folder, model_cls, mc, dtype, self.device, self.max_model_len + 1,
-                                             progress)
-            if spec is not None and spec.model is not None:
-                dfolder = draft_folder(spec.model, folder)
-                check_tokenizers(folder, dfolder)
-                draft_cls, draft_mc = registry.resolve(dfolder)
-                self.draft = registry.load_model(dfolder, draft_cls, draft_mc, dtype, self.device,
-                                                 self.max_model_len + 1, progress)
-        per_block = sum(kv_bytes_per_block(m, cache.block_size) for m in (self.model, self.draft) if m is not None)
-        num_blocks = self._kv_budget() // per_block
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.swap_space_bytes // per_block if sched.preemption_mode == "swap" else 0)
-        self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
-        ops = None
-        if (model.attention == "auto" and self.device.type == "cpu" and dtype == torch.float32
-                and cache.block_size <= 64 and mc.head_dim % 4 == 0
-                and (self.draft is None or self.draft.config.head_dim % 4 == 0)):
-            if progress is not None:
-                progress(LoadProgress("building the CPU kernels (compiled once, then cached)"))
-            ops = kernels.load()
-        if ops is not None:
-            for m in (self.model, self.draft):
-                if m is not None:
-                    m.use_kernels(ops)
+        threads = par.num_threads or (max(1, torch.get_num_threads() // par.tensor_parallel_size)
+                                      if par.tensor_parallel_size > 1 else None)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.eos_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.runner = ModelRunner(self.model, cache.block_size, num_blocks, self.kv.cpu_pool.num_blocks, self.eos_ids,
-                                  None if ops is None else ops.paged_decode_attention, self.draft)
+        spec = sched.speculative_config
+        self.executor: TensorParallelExecutor | None = None
+        group = None
+        if par.tensor_parallel_size > 1:
+            shard.check(mc, par.tensor_parallel_size)  # before any rank starts
+            if spec is not None and spec.model is not None:
+                raise ValueError("speculative_config: a draft model is not served with tensor_parallel_size > 1 yet "
+                                 "(the n-gram method is)")
+            group = ParallelGroup(0, par.tensor_parallel_size, self.device)
+            self.executor = TensorParallelExecutor(folder, cfg, group, self.eos_ids, threads, self.max_model_len,
+                                                   socket_folder)
+        try:
+            self.runner = build_runner(folder, cfg, model_cls, mc, self.device, self.max_model_len, self.eos_ids,
+                                       progress, group)
+            if self.executor is not None:
+                self.executor.connect(self.runner)  # every rank has loaded its shard: join the group
+        except BaseException:
+            self.close()
+            raise
+        self.model = self.runner.model
+        num_blocks = self.runner.num_blocks
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, self.runner.num_cpu_blocks)
+        self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
+        self.execute = self.runner.execute if self.executor is None else self.executor.execute
         self.scheduler = Scheduler(cfg, self.kv, None if spec is None else Proposer(spec, self.max_model_len).propose)
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
         self.generation_defaults = _generation_defaults(folder) if model.generation_config == "auto" else {}
@@ -150,15 +197,14 @@ class LLMEngine:
         """Build from a model config's `parameters` map (strings). Raises ValueError on bad values."""
         return cls(model_dir, EngineConfig.from_parameters(parameters, **overrides), progress)
 
-    def _kv_budget(self) -> int:
-        cfg = self.config.cache
-        if cfg.kv_cache_memory_bytes is not None:
-            return cfg.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(int(total * cfg.gpu_memory_utilization) - used, 0)
-        return _DEFAULT_CPU_KV_BYTES
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank); idempotent."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def failure(self) -> str | None:
+        """Why the engine cannot step any more (a tensor-parallel rank died), or None."""
+        return None if self.executor is None else self.executor.failure
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -199,7 +245,7 @@ class LLMEngine:
         if so.is_empty:
             return []
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_blocks - self.kv.pool.num_free)
-        out = self.runner.execute(so, self._grammar_bitmask(so))
+        out = self.execute(so, self._grammar_bitmask(so))
         outs = self.outputs.process(so, out)
         for s in so.scheduled:
             if s.draft_token_ids and (seq := self.outputs.running(s.seq_id)) is not None:

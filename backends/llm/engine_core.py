@@ -5,7 +5,8 @@ Started by core_client.EngineCoreClient (through pier.ipc's Supervisor) as
 the server) and a PUSH socket to OUT (events to it), both ZeroMQ ipc:// addresses the server
 bound in a private folder; the messages are core_messages.py's: Init once, answered Ready or
 LoadFailed, then Add / Abort / Stop in, and per step Outputs (and Refused for a request the
-engine would not take) out.
+engine would not take) out; Fatal, before it exits, when the engine cannot step any more (a
+tensor-parallel rank died: the server restarts this process, and the group with it).
 
 Per-step outputs are the hot path: msgspec's msgpack encodes the RequestOutput dataclasses (about
 a microsecond each). The process dies with the server (pier.ipc.processes.die_with_parent:
@@ -15,6 +16,7 @@ ignores the terminal's Ctrl-C (it runs in its own session too): the server stops
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -29,6 +31,7 @@ from .core_messages import (
     Abort,
     Add,
     EngineFacts,
+    Fatal,
     Init,
     LoadFailed,
     Outputs,
@@ -51,18 +54,29 @@ class EngineCore:
         self.outputs = outputs
         self._sent_stats: EngineStats | None = None
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Step until Stop (0), or until the engine cannot step any more (1: a tensor-parallel rank
+        died; the server hears why first, `Fatal`, and restarts the engine core with its group)."""
         engine = self.engine
+        poller = zmq.Poller()
+        poller.register(self.commands, zmq.POLLIN)
+        if engine.executor is not None:  # a lost rank wakes the idle loop
+            poller.register(engine.executor.wake_r, zmq.POLLIN)
         while True:
             if not engine.has_unfinished():
-                self.commands.poll()  # idle: wait for a command
+                poller.poll()  # idle: wait for a command
+            if (failure := engine.failure()) is not None:
+                self.outputs.send(encode(Fatal(failure)))
+                return 1
             outs: list[RequestOutput] = []
             if not self._drain(outs):
-                return
+                return 0
             if engine.has_unfinished():
                 try:
                     outs.extend(engine.step())
                 except Exception as e:  # noqa: BLE001 - a step failed: fail what is in flight, keep serving
+                    if engine.failure() is not None:
+                        continue  # the group is broken: said above
                     for rid in list(engine._requests):
                         engine.abort(rid)
                         self._refuse(rid, f"LLM engine step failed: {e!r}")
@@ -120,10 +134,11 @@ def main(argv: list[str]) -> int:
         init = COMMANDS.decode(commands.recv())
         if not isinstance(init, Init):
             raise BadMessage(COMMANDS.protocol, type(init).__name__, None, "expected Init first")
+        from .config import EngineConfig
         from .engine import LLMEngine
 
-        engine = LLMEngine.from_parameters(init.model_dir, init.parameters,
-                                           lambda p: outputs.send(encode(Progress(p))), **init.overrides)
+        engine = LLMEngine(init.model_dir, EngineConfig.from_parameters(init.parameters, **init.overrides),
+                           lambda p: outputs.send(encode(Progress(p))), os.path.dirname(in_addr.removeprefix("ipc://")))
         facts = EngineFacts.of(engine)
     except Exception as e:  # noqa: BLE001 - the server reports it as the load's failure
         outputs.send(encode(LoadFailed(type(e).__name__, str(e))))
@@ -131,12 +146,12 @@ def main(argv: list[str]) -> int:
         return 1
     outputs.send(encode(Ready(facts, engine.stats())))
     try:
-        EngineCore(engine, commands, outputs).run()
+        return EngineCore(engine, commands, outputs).run()
     finally:
+        engine.close()
         outputs.close(linger=1000)
         commands.close(linger=0)
         ctx.term()
-    return 0
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}  # seq id -> its sampler state
         self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
         self.block_size = block_size
+        self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.spec_stats = SpecDecodeStats()
         specs = model.kv_cache_specs()
         self.kv_caches = [self._cache(s, num_blocks, model.device) for s in specs]

@@ -5,14 +5,18 @@ one place where the way a weight is held and multiplied can change: a quantizati
 `LinearMethod` (vLLM's `QuantizeMethodBase`: `process` turns the checkpoint's float tensor into the
 stored form, `apply` multiplies by it), and a LoRA adapter wraps the layer's method with one that adds
 its low-rank delta (`x @ A @ B`, per output slice: `output_sizes` names the q/k/v or gate/up widths).
-Tensor parallelism will shard in `load` (column- or row-wise by output or input).
+Tensor parallelism shards a layer (`Linear.shard`, a `Split`): `load` keeps only this rank's rows
+(column-parallel) or columns (row-parallel) of each checkpoint tensor, so no rank ever holds another's
+weights past the tensor in hand, and a row-parallel layer sums the ranks' partial products with one
+all-reduce after its method's GEMM (backends/llm/parallel/).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -114,6 +118,25 @@ def default_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
     return OneDNNLinearMethod() if onednn_available(dtype, device) else UnquantizedLinearMethod()
 
 
+@dataclass(frozen=True)
+class Split:
+    """One rank's share of a tensor-parallel `Linear` (Megatron's split).
+
+    Column-parallel (`all_reduce` None): rows `parts[i]` = (start, length) of checkpoint output slice i
+    (q/k/v, gate/up), whose full widths are `full`. Row-parallel: columns `parts[0]` of the checkpoint's
+    `full[0]` inputs; the ranks' partial products are summed by `all_reduce`, and only the `first` rank
+    adds the bias and the residual (each is added once to the sum)."""
+
+    parts: tuple[tuple[int, int], ...]
+    full: tuple[int, ...]
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    first: bool = True
+
+    @property
+    def row(self) -> bool:
+        return self.all_reduce is not None
+
+
 class Linear:
     """y = x @ W^T + b for W of shape [sum(output_sizes), input_size].
 
@@ -132,18 +155,40 @@ class Linear:
         self.method: LinearMethod = method or default_method(dtype, device)
         self.weight: torch.Tensor | None = None  # the method's stored form
         self.bias: torch.Tensor | None = None
+        self.split: Split | None = None
         self._parts: dict[tuple[str, int], torch.Tensor] = {}
+
+    def shard(self, split: Split) -> None:
+        """Hold only this rank's share (`split`) from now on; before `load`. The layer's sizes become
+        the shard's, the checkpoint's stay in `split.full`."""
+        full = (self.input_size,) if split.row else self.output_sizes
+        if split.full != full or len(split.parts) != len(full):
+            raise ValueError(f"{self.name}: split {split} does not fit sizes {full}")
+        self.split = split
+        if split.row:
+            self.input_size = split.parts[0][1]
+        else:
+            self.output_sizes = tuple(n for _, n in split.parts)
 
     @property
     def output_size(self) -> int:
         return sum(self.output_sizes)
 
     def load(self, index: int, weight: torch.Tensor, kind: str = "weight") -> None:
-        """Keep one output slice's checkpoint tensor (`kind` "weight" [out_i, in] or "bias" [out_i])."""
-        expected = (self.output_sizes[index], self.input_size) if kind == "weight" else (self.output_sizes[index],)
+        """Keep one output slice's checkpoint tensor (`kind` "weight" [out_i, in] or "bias" [out_i]);
+        sharded, only this rank's part of it (a copy: the checkpoint's tensor is not kept alive)."""
+        sp = self.split
+        out = self.output_sizes[index] if sp is None or sp.row else sp.full[index]
+        inp = self.input_size if sp is None or not sp.row else sp.full[0]
+        expected = (out, inp) if kind == "weight" else (out,)
         if tuple(weight.shape) != expected:
             raise ValueError(f"{self.name}: {kind} of slice {index} has shape {list(weight.shape)}, "
                              f"expected {list(expected)}")
+        if sp is not None:
+            if not sp.row:
+                weight = weight.narrow(0, *sp.parts[index]).clone()
+            elif kind == "weight":
+                weight = weight.narrow(1, *sp.parts[0]).clone()
         self._parts[(kind, index)] = weight.to(device=self.device, dtype=self.dtype)
 
     def missing(self) -> list[tuple[str, int]]:
@@ -159,7 +204,12 @@ class Linear:
         if self.has_bias:
             self.bias = torch.cat([self._parts[("bias", i)] for i in range(n)]).contiguous()
         self._parts.clear()
+        if self.split is not None and self.split.row and not self.split.first:
+            self.bias = None  # a row-parallel bias is added once, by the first rank
         self.method.process(self, weight.contiguous())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.method.apply(self, x, residual)
+        sp = self.split
+        if sp is None or sp.all_reduce is None:
+            return self.method.apply(self, x, residual)
+        return sp.all_reduce(self.method.apply(self, x, residual if sp.first else None))

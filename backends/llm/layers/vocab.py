@@ -1,11 +1,33 @@
-"""The token embedding and the LM head (tied to the embedding, or a matrix of its own)."""
+"""The token embedding and the LM head (tied to the embedding, or a matrix of its own).
+
+Vocabulary-parallel under tensor parallelism (`VocabEmbedding.shard`): each rank holds the rows of
+one contiguous range of token ids (`VocabShard`); the embedding looks up the ids in its range (zero
+rows for the others) and the ranks' rows are summed by one all-reduce; the LM head computes the
+logits of its range and the ranks' ranges are gathered into the whole vocabulary.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .linear import Linear, UnquantizedLinearMethod, default_method
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Token ids [start, start + length) of a `full` vocabulary; every rank's range is `padded` long
+    but the last rank's (the gathered logits are cut back to `full`)."""
+
+    start: int
+    length: int
+    padded: int
+    full: int
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+    all_gather: Callable[[torch.Tensor], torch.Tensor]  # [M, padded] per rank -> [M, ranks * padded]
 
 
 class VocabEmbedding:
@@ -14,15 +36,31 @@ class VocabEmbedding:
     def __init__(self, name: str, vocab_size: int, hidden_size: int) -> None:
         self.name, self.shape = name, (vocab_size, hidden_size)
         self.weight: torch.Tensor | None = None
+        self.vocab_shard: VocabShard | None = None
+
+    def shard(self, shard: VocabShard) -> None:
+        """Hold only the rows of `shard`'s range (before `load`)."""
+        self.vocab_shard = shard
+        self.shape = (shard.length, self.shape[1])
 
     def load(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-        if tuple(weight.shape) != self.shape:
-            raise ValueError(f"{self.name}: weight has shape {list(weight.shape)}, expected {list(self.shape)}")
+        vs = self.vocab_shard
+        expected = self.shape if vs is None else (vs.full, self.shape[1])
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"{self.name}: weight has shape {list(weight.shape)}, expected {list(expected)}")
+        if vs is not None:
+            weight = weight.narrow(0, vs.start, vs.length).clone()
         self.weight = weight.to(device=device, dtype=dtype).contiguous()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        return F.embedding(ids, self.weight)
+        vs = self.vocab_shard
+        if vs is None:
+            return F.embedding(ids, self.weight)
+        local = ids - vs.start
+        outside = (local < 0) | (local >= vs.length)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return vs.all_reduce(rows.masked_fill_(outside.unsqueeze(1), 0.0))
 
 
 class LMHead:
@@ -48,5 +86,12 @@ class LMHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.linear is None:
             assert self.embedding.weight is not None
-            return F.linear(hidden, self.embedding.weight).float()
-        return self.linear(hidden).float()
+            logits = F.linear(hidden, self.embedding.weight).float()
+        else:
+            logits = self.linear(hidden).float()
+        vs = self.embedding.vocab_shard
+        if vs is None:
+            return logits
+        if vs.length < vs.padded:
+            logits = F.pad(logits, (0, vs.padded - vs.length))
+        return vs.all_gather(logits)[:, : vs.full]

@@ -151,5 +151,5 @@ class LlamaForCausalLM:
         return self.lm_head(hidden)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        cfg = self.config
-        return [KVCacheSpec(cfg.num_kv_heads, cfg.head_dim, self.dtype)] * cfg.num_layers
+        """Each layer's attention's KV heads: a tensor-parallel rank's share of them (parallel/shard.py)."""
+        return [KVCacheSpec(layer.attn.num_kv_heads, layer.attn.head_dim, self.dtype) for layer in self.layers]

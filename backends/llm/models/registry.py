@@ -62,8 +62,12 @@ def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
 
 
 def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, progress: Callable[[LoadProgress], None] | None = None) -> CausalLM:
-    """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights')."""
+               max_positions: int, progress: Callable[[LoadProgress], None] | None = None,
+               prepare: Callable[[CausalLM], None] | None = None) -> CausalLM:
+    """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights');
+    `prepare` sees the model built, before its weights (a tensor-parallel rank's split, parallel/shard.py)."""
     model = cls(config, dtype, device, max_positions)
+    if prepare is not None:
+        prepare(model)
     model.load_weights(iter_weights(folder, progress))
     return model

@@ -1,0 +1,94 @@
+"""A tensor-parallel rank other than 0: `python -m pier.backends.llm.parallel.worker STEPS EVENTS`.
+
+Started by rank 0 (executor.py, in the engine-core process) through pier.ipc's Supervisor, it
+connects a PULL socket to STEPS and a PUSH socket to EVENTS (ZeroMQ ipc:// addresses rank 0 bound),
+builds its shard of the model from WorkerInit (engine.build_runner, as rank 0 builds its own), says
+WorkerReady, joins the process group, then runs each StepDelta it is sent (the same step rank 0 runs:
+their collectives meet) until Shutdown. What it samples is dropped: rank 0's sampler answers. An
+error is said (WorkerFailed) before it exits, so that rank 0 fails the group naming it. It dies
+with rank 0 (pier.ipc.processes.die_with_parent).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import zmq
+
+from pier.ipc.messages import encode
+from pier.ipc.processes import die_with_parent
+
+from .messages import TO_WORKER, Shutdown, StepDelta, WorkerFailed, WorkerInit, WorkerReady
+
+
+def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from ..config import EngineConfig
+    from ..engine import _device, build_runner
+    from ..models import registry
+    from .delta import Receiver
+    from .group import ParallelGroup
+    from .shm_allreduce import ShmAllReduce
+
+    try:
+        if init.threads is not None:
+            torch.set_num_threads(init.threads)
+        settings = dict(init.settings)
+        folder = Path(init.model_dir)
+        settings["model_path"] = folder
+        cfg = EngineConfig(**settings)
+        model_cls, mc = registry.resolve(folder)
+        device = _device(cfg.parallel)
+        group = ParallelGroup(init.rank, init.size, device)
+        runner = build_runner(folder, cfg, model_cls, mc, device, init.max_model_len, tuple(init.eos_ids), None,
+                              group)
+    except Exception as e:  # noqa: BLE001 - rank 0 fails the load with it
+        outbox.send(encode(WorkerFailed(init.rank, type(e).__name__, str(e))))
+        return 1
+    outbox.send(encode(WorkerReady(init.rank, runner.num_blocks)))
+    try:
+        group.join(dist.TCPStore(init.host, init.port, init.size, is_master=False) if init.port else None)
+        if init.shm:
+            group.shm = ShmAllReduce(init.shm, init.rank, init.size, dead=lambda: False)  # rank 0's death kills it
+        dist.barrier()  # every rank has mapped the segment: rank 0 removes its name
+        receiver = Receiver()
+        while True:
+            msg = TO_WORKER.decode(inbox.recv())
+            if isinstance(msg, StepDelta):
+                runner.execute(receiver.output(msg))
+            elif isinstance(msg, Shutdown):
+                return 0
+    except Exception as e:  # noqa: BLE001 - said to rank 0, which fails the group
+        outbox.send(encode(WorkerFailed(init.rank, type(e).__name__, str(e))))
+        return 1
+    finally:
+        group.leave()
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent(ignore=(signal.SIGINT,))
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(argv[0])
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(argv[1])
+    try:
+        if not inbox.poll(60_000):
+            return 1
+        init = TO_WORKER.decode(inbox.recv())
+        if not isinstance(init, WorkerInit):
+            return 1
+        return serve(init, inbox, outbox)
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,136 @@
+"""Tensor parallelism (backends/llm/parallel/): two ranks give what one rank gives, token for token
+(float32 greedy), with preemption and prefix caching, logprobs within 2e-3; the step's delta is what
+travels; a model whose heads do not divide fails with the reason."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.parallel.delta import Receiver, Shipper
+from pier.backends.llm.sampling_params import SamplingParams
+from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
+
+from .tiny_model import build_model, hf_greedy
+
+TOKENS = 16
+BLOCKS = 40  # of 4 tokens: the prompts below do not all fit at once, so the scheduler preempts
+SMALL = dict(block_size=4, enable_prefix_caching=True, num_threads=1)
+
+
+def _kv_bytes(folder: Path, ranks: int) -> int:
+    """kv_cache_memory_bytes for BLOCKS blocks on each of `ranks` ranks (the setting is per rank, as
+    vLLM's is per device: a rank holds its share of the KV heads)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = max(cfg.get("num_key_value_heads", heads) // ranks, 1)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return BLOCKS * cfg["num_hidden_layers"] * 2 * 4 * kv_heads * head_dim * 4
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    system = [rng.randrange(2, 320) for _ in range(24)]  # a shared prefix: prefix-cache hits
+    return [system + [rng.randrange(2, 320) for _ in range(n)] for n in (1, 9, 30)] + \
+        [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 40, 17)]
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], list, list]]:
+    """Per prompt: the greedy tokens, their logprobs (with 2 alternatives) and the prompt logprobs;
+    the prompts twice, one wave after the other (the second, without prompt logprobs, hits the prefix cache)."""
+    return _wave(eng, prompts, "a") + _wave(eng, prompts, "b")
+
+
+def _wave(eng: LLMEngine, prompts: list[list[int]], wave: str) -> list[tuple[list[int], list, list]]:
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1 if wave == "a" else None)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{wave}{i}", p, params)
+    got: dict[str, tuple[list[int], list, list]] = {f"{wave}{i}": ([], [], []) for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, lps, plps = got[out.request_id]
+            tokens.extend(out.token_ids)
+            lps.extend(out.logprobs or [])
+            plps.extend(out.prompt_logprobs or [])
+    return [got[f"{wave}{i}"] for i in range(len(prompts))]
+
+
+def _close(a: list[tuple[list[int], list, list]], b: list[tuple[list[int], list, list]]) -> None:
+    for (ta, la, pa), (tb, lb, pb) in zip(a, b):
+        assert ta == tb
+        for (va, topa), (vb, topb) in zip(la, lb):
+            assert va == pytest.approx(vb, abs=2e-3)
+            assert topa.keys() == topb.keys()
+            assert list(topa.values()) == pytest.approx(list(topb.values()), abs=2e-3)
+        assert len(pa) == len(pb)
+        for (ia, va, _), (ib, vb, _) in zip(pa, pb):
+            assert ia == ib
+            assert (va is None and vb is None) or va == pytest.approx(vb, abs=2e-3)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 32 x 4 heads != hidden 64, one KV head (replicated on both ranks), the LM head tied."""
+    return build_model(tmp_path_factory.mktemp("qwen3") / "model", "qwen3", head_dim=32, num_key_value_heads=1,
+                       tie_word_embeddings=True, random_norms=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir):
+    folder = llama_dir if arch == "llama" else qwen3_dir
+    prompts = _prompts()
+    one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL))  # type: ignore[arg-type]
+    ref = _run(one, prompts)
+    assert one.stats().num_preemptions > 0
+    two = LLMEngine(folder, EngineConfig(tensor_parallel_size=2, kv_cache_memory_bytes=_kv_bytes(folder, 2),
+                                         **SMALL))  # type: ignore[arg-type]
+    try:
+        got = _run(two, prompts)
+        stats = two.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert two.runner.model.config.num_kv_heads == one.model.config.num_kv_heads
+        specs = two.model.kv_cache_specs()  # each rank holds its share of the KV heads (or the one it reads)
+        assert specs[0].num_kv_heads == max(one.model.kv_cache_specs()[0].num_kv_heads // 2, 1)
+        assert two.kv.pool.num_blocks == BLOCKS
+        two.kv.check()
+        assert two.kv.pool.num_free == two.kv.pool.num_blocks
+    finally:
+        two.close()
+    assert [t for t, _, _ in ref] == hf_greedy(folder, prompts, TOKENS) * 2
+    _close(ref, got)
+
+
+def test_heads_that_do_not_divide(llama_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide its 4 attention heads"):
+        LLMEngine(llama_dir, EngineConfig(tensor_parallel_size=3))
+
+
+def test_thread_engine_core_refused():
+    with pytest.raises(ValueError, match="needs engine_core 'process'"):
+        EngineConfig.from_parameters({"tensor_parallel_size": "2", "engine_core": "thread"})
+
+
+def test_step_ships_the_delta():
+    """A sequence's block table travels once; then only what changed (a new block, a rollback, a
+    replacement after preemption), and the workers rebuild the same SchedulerOutput."""
+    shipper, receiver = Shipper(), Receiver()
+
+    def step(table: list[int], pos: int, finished: list[str] | None = None) -> list[int]:
+        so = SchedulerOutput([ScheduledSeq("a", [7], pos, table, True)], finished_seq_ids=finished or [])
+        delta = shipper.delta(so)
+        rebuilt = receiver.output(delta)
+        assert rebuilt.scheduled[0].block_table == table
+        return delta.scheduled[0].blocks
+
+    assert step([3, 4], 5) == [3, 4]  # new: whole
+    assert step([3, 4], 6) == []  # a decode in the same block: nothing
+    assert step([3, 4, 9], 8) == [9]  # a new block: that block
+    assert step([3, 4], 7) == []  # rolled back: kept 2
+    assert step([5, 6], 0) == [5, 6]  # preempted and scheduled anew
+    assert step([5], 0, finished=["a"]) == [5]  # the id finished and came back: whole again

@@ -1,0 +1,142 @@
+"""Tensor parallelism under a real `pier serve`: a model on two ranks (`tensor_parallel_size: 2`)
+answers as on one; `kill -9` of rank 1 under load fails that model's requests in flight with a
+message naming the rank, while an ONNX model keeps serving without a failure; the model is
+UNAVAILABLE with the reason, the group restarts (the engine core and its ranks) and serves again
+within two minutes; shutdown leaves no process, socket folder or shared-memory segment behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from tests.conftest import EXAMPLE_REPO, start_pier
+from tests.e2e.test_llm_engine_process import _alive, _children, _cmdline, _core_dirs, _engine_pids
+
+pytestmark = pytest.mark.llm
+
+pytest.importorskip("transformers")
+httpclient = pytest.importorskip("tritonclient.http")
+
+LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+CONFIG = ('backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
+          'parameters { key: "num_threads" value { string_value: "1" } }\n')
+
+
+def _ranks(server_pid: int) -> list[int]:
+    """The worker ranks (1..N-1): children of the engine core."""
+    return [p for core in _engine_pids(server_pid) for p in _children(core)
+            if "pier.backends.llm.parallel.worker" in _cmdline(p)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _state(base: str, model: str) -> tuple[str, str]:
+    rows = requests.post(f"{base}/v2/repository/index", json={}, timeout=10).json()
+    row = next(r for r in rows if r["name"] == model)
+    return row.get("state", ""), row.get("reason", "")
+
+
+def _generate(base: str, model: str, text: str, params: dict) -> requests.Response:
+    return requests.post(f"{base}/v2/models/{model}/generate", timeout=120,
+                         json={"text_input": text, "sampling_parameters": json.dumps(params)})
+
+
+def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
+    from tests.backends.llm.tiny_model import build_model
+
+    repo = tmp_path / "repo"
+    build_model(repo / "tp2" / "1", "llama")
+    (repo / "tp2" / "config.pbtxt").write_text(
+        CONFIG + 'parameters { key: "tensor_parallel_size" value { string_value: "2" } }\n')
+    shutil.copytree(repo / "tp2" / "1", repo / "tp1" / "1")
+    (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    tmp = tmp_path / "tmp"  # the server's own temporary folder: its socket folders are checked at the end
+    tmp.mkdir()
+    shm_before = set(os.listdir("/dev/shm"))
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env={"TMPDIR": str(tmp)})
+    base = server.base()
+    seen: list[int] = []
+    try:
+        greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+        one = _generate(base, "tp1", "The quick brown fox", greedy)
+        two = _generate(base, "tp2", "The quick brown fox", greedy)
+        assert one.status_code == two.status_code == 200, (one.text, two.text)
+        assert one.json()["text_output"] == two.json()["text_output"]
+        ranks = _ranks(server.proc.pid)
+        assert len(ranks) == 1, (ranks, _engine_pids(server.proc.pid))
+        core = _parent(ranks[0])  # tp2's engine core: rank 0
+        seen += [*ranks, core]
+
+        stop = threading.Event()
+        other: dict[str, int] = {"ok": 0, "failed": 0}
+        errors: list[str] = []
+
+        def hammer() -> None:
+            client = httpclient.InferenceServerClient(server.http_url)
+            a = np.arange(16, dtype=np.int32).reshape(1, 16)
+            while not stop.is_set():
+                inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+                          httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(a)
+                try:
+                    assert (client.infer("simple", inputs).as_numpy("OUTPUT0") == a + a).all()
+                    other["ok"] += 1
+                except Exception as exc:  # noqa: BLE001 - counted, and shown on failure
+                    other["failed"] += 1
+                    errors.append(repr(exc))
+
+        hammer_thread = threading.Thread(target=hammer)
+        hammer_thread.start()
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(_generate, base, "tp2", f"prompt {i}", LONG) for i in range(3)]
+            deadline = time.monotonic() + 60
+            while requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text.find(
+                    'vllm:num_requests_running{model_name="tp2"} 3') < 0:
+                assert time.monotonic() < deadline, "the requests never ran"
+                time.sleep(0.05)
+            os.kill(ranks[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            answers = [f.result() for f in futures]
+            failed_within = time.monotonic() - killed_at
+            states: list[tuple[str, str]] = []
+            deadline = killed_at + 120
+            while (requests.get(f"{base}/v2/models/tp2/ready", timeout=10).status_code != 200
+                   or len(_ranks(server.proc.pid)) != 1):
+                assert time.monotonic() < deadline, server.log()[-3000:]
+                states.append(_state(base, "tp2"))
+                time.sleep(0.05)
+            back_within = time.monotonic() - killed_at
+        for r in answers:  # in flight: failed, the rank named
+            assert r.status_code == 503, r.text
+            why = f"tensor-parallel rank 1 of 2 (pid {ranks[0]}) killed by signal 9 (SIGKILL)"
+            assert why in r.json()["error"], r.text
+        assert failed_within < 15 and back_within < 120
+        assert any(s == "UNAVAILABLE" and "tensor-parallel rank 1" in why for s, why in states), states
+        new_ranks = _ranks(server.proc.pid)
+        seen += [*new_ranks, _parent(new_ranks[0])]
+        assert not _alive(ranks[0]) and not _alive(core)  # the whole group is new
+        again = _generate(base, "tp2", "The quick brown fox", greedy)
+        assert again.status_code == 200 and again.json()["text_output"] == one.json()["text_output"], again.text
+        stop.set()
+        hammer_thread.join(30)
+        assert other["failed"] == 0 and other["ok"] > 0, (other, errors[:3])
+    finally:
+        stop_code = server.stop()
+    assert stop_code == 0, server.log()[-3000:]
+    assert not any(_alive(p) for p in seen), "a rank or an engine process outlived the server"
+    assert not _core_dirs(tmp), "the engine's socket folder was left behind"
+    assert set(os.listdir("/dev/shm")) <= shm_before, "a shared-memory segment was left behind"
