@@ -23,10 +23,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pier.contract.backend import LoadProgress
 
-from .core_messages import Abort, Add, EngineFacts, ResetPrefixCache
+from .core_messages import Abort, Add, EngineFacts, LoRAUpdated, ResetPrefixCache, UpdateLoRA
 from .engine import EngineStats, LLMEngine, RequestOutput
 from .input_processor import check_text_length, encode_prompt
 from .sampling_params import SamplingParams
@@ -57,7 +58,8 @@ class EngineClient(abc.ABC):
         self._stats = stats
         self._stopped = False
         self._ids = itertools.count()
-        self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = {}
+        self._replies: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self.lora_adapters: dict[str, str] = dict(facts.lora_adapters or {})  # name -> folder, as served now
 
     @property
     def max_model_len(self) -> int:
@@ -129,21 +131,32 @@ class EngineClient(abc.ABC):
     async def reset_prefix_cache(self) -> bool:
         """Forget the engine's cached prefixes (vLLM's /reset_prefix_cache): False while requests
         hold KV blocks (nothing is reset then)."""
+        return bool(await self._ask(lambda token: ResetPrefixCache(token)))
+
+    async def update_lora(self, name: str, path: str | None, inplace: bool = False) -> tuple[int, str]:
+        """Load (`path` given) or unload a LoRA adapter (vLLM's /v1/load_lora_adapter,
+        /v1/unload_lora_adapter): (HTTP status, vLLM's text)."""
+        answer: LoRAUpdated = await self._ask(lambda token: UpdateLoRA(token, name, path, inplace))
+        self.lora_adapters = dict(answer.adapters)
+        return answer.status, answer.message
+
+    async def _ask(self, command: Callable[[str], ResetPrefixCache | UpdateLoRA]) -> Any:
+        """Send a command that the engine answers (by its token) and wait for the answer."""
         if (why := self.unavailable_reason()) is not None:
             raise EngineDeadError(why)
-        token = f"reset-{next(self._ids)}"
+        token = f"ask-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        answer: asyncio.Future[bool] = loop.create_future()
+        answer: asyncio.Future[Any] = loop.create_future()
         with self._lock:
             self._replies[token] = (loop, answer)
         try:
-            self._send(ResetPrefixCache(token))
+            self._send(command(token))
             return await asyncio.wait_for(answer, 30)
         finally:
             with self._lock:
                 self._replies.pop(token, None)
 
-    def _answer(self, token: str, ok: bool) -> None:
+    def _answer(self, token: str, ok: Any) -> None:
         with self._lock:
             waiting = self._replies.get(token)
         if waiting is not None:
@@ -168,7 +181,7 @@ class EngineClient(abc.ABC):
         """Stop the engine; requests still running get an EngineDeadError."""
 
     @abc.abstractmethod
-    def _send(self, command: Add | Abort | ResetPrefixCache) -> None:
+    def _send(self, command: Add | Abort | ResetPrefixCache | UpdateLoRA) -> None:
         """Deliver a command (core_messages: the engine-core protocol's) to the engine."""
 
     # -- fed by the engine side (any thread) ------------------------------------------------------
@@ -216,7 +229,7 @@ class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.tokenizer, EngineFacts.of(engine), engine.stats())
         self.engine = engine
-        self._commands: queue.SimpleQueue[Add | Abort | ResetPrefixCache] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Add | Abort | ResetPrefixCache | UpdateLoRA] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -234,7 +247,7 @@ class AsyncLLMEngine(EngineClient):
 
     # -- engine thread ----------------------------------------------------------------------------
 
-    def _send(self, command: Add | Abort | ResetPrefixCache) -> None:
+    def _send(self, command: Add | Abort | ResetPrefixCache | UpdateLoRA) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -252,6 +265,9 @@ class AsyncLLMEngine(EngineClient):
                     self._fail(cmd.request_id, e)
             elif isinstance(cmd, ResetPrefixCache):
                 self._answer(cmd.token, self.engine.reset_prefix_cache())
+            elif isinstance(cmd, UpdateLoRA):
+                status, text = self.engine.update_lora(cmd.name, cmd.path, cmd.inplace)
+                self._answer(cmd.token, LoRAUpdated(cmd.token, status, text, self.engine.lora_adapters()))
             else:
                 outs.extend(self.engine.abort(cmd.request_id))
 

@@ -132,6 +132,7 @@ class LLMInstance(ModelInstance):
         from pier.backends.llm.async_engine import AsyncLLMEngine, EngineClient, EngineDeadError
         from pier.backends.llm.config import EngineConfig
         from pier.backends.llm.core_client import EngineCoreClient
+        from pier.backends.llm.lora import resolve_lora_modules
         from pier.backends.llm.sampling_params import SamplingParams
 
         self._sampling_cls = SamplingParams
@@ -148,6 +149,7 @@ class LLMInstance(ModelInstance):
                               f"{', '.join(llm.TOOL_CALL_PARSERS)}")
         self._dead_error = EngineDeadError
         try:
+            params = resolve_lora_modules(params, ctx.version_dir)
             self.watermark = degrade.Watermark(params, ctx.spec.name)
             in_process = EngineConfig.from_parameters(params, **overrides).parallel.engine_core == "thread"
             self.engine: EngineClient
@@ -403,11 +405,18 @@ class LLMInstance(ModelInstance):
     # ---- metrics -------------------------------------------------------------------------
 
     def prometheus(self, model: str, version: str) -> str:
-        return (self.metrics.render(self.engine.stats(), model, self.engine.cache_config_info())
-                + self.watermark.render(model))
+        facts = self.engine.facts
+        return self.metrics.render(self.engine.stats(), model, facts.cache_config_info, facts.max_loras) + \
+            self.watermark.render(model)
 
     def info(self) -> dict[str, Any]:
-        return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser}
+        lora = {llm.INFO_LORA_ADAPTERS: dict(self.engine.lora_adapters)} if self.engine.facts.max_loras else {}
+        return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser,
+                **lora}
+
+    async def update_lora(self, name: str, path: str | None, inplace: bool) -> tuple[int, str]:
+        lora_on = self.engine.facts.max_loras
+        return await self.engine.update_lora(name, path, inplace) if lora_on else (400, "LoRA feature is not enabled.")
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -2,14 +2,15 @@
 
 Grouped as vLLM's VllmConfig groups them: `ModelConfig` (what runs and how it answers),
 `CacheConfig` (the paged KV cache), `SchedulerConfig` (what runs together), `ParallelConfig` (where
-the engine runs: the device, its threads, its own process or a thread, its tensor-parallel ranks).
-Each part is handed to the component that needs it. The config.pbtxt parameters stay flat
-(vLLM's engine arguments are too): `EngineConfig(block_size=8, ...)` and `from_parameters` route each
-setting to its group, and `config.block_size` reads it from there.
+the engine runs: the device, its threads, its own process or a thread, its tensor-parallel ranks),
+`LoRAConfig` (multi-LoRA). Each part is handed to the component that needs it. The config.pbtxt
+parameters stay flat (vLLM's engine arguments are too): `EngineConfig(block_size=8, ...)` and
+`from_parameters` route each setting to its group, and `config.block_size` reads it from there.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -141,13 +142,83 @@ class ParallelConfig:
             raise ValueError(f"num_threads must be between 1 and {MAX_THREADS}")
 
 
+# vLLM's allowed --max-lora-rank values
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter to serve: vLLM's LoRAModulePath (`--lora-modules`)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(text: str) -> tuple[LoRAModulePath, ...]:
+    """vLLM's `lora_modules` forms: a JSON list of (or one) {"name", "path", "base_model_name"}, or
+    space-separated `name=path` pairs. ValueError naming what is wrong."""
+    text = text.strip()
+    if not text:
+        return ()
+    if text[0] in "[{":
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"lora_modules is not valid JSON: {exc}") from None
+        items = doc if isinstance(doc, list) else [doc]
+        out = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"] \
+                    or not isinstance(item.get("path"), str) or not item["path"]:
+                raise ValueError(f"lora_modules: each entry needs a \"name\" and a \"path\", got {item!r}")
+            base = item.get("base_model_name")
+            out.append(LoRAModulePath(item["name"], item["path"], base if isinstance(base, str) else None))
+        return tuple(out)
+    pairs = []
+    for word in text.split():
+        name, sep, path = word.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: {word!r} is not name=path")
+        pairs.append(LoRAModulePath(name, path))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (lora.py), vLLM's engine arguments: `max_loras` distinct adapters in one step (the
+    other requests wait), `max_lora_rank` the largest rank accepted, `max_cpu_loras` adapters kept
+    loaded (LRU; None: max_loras), `lora_modules` the adapters served from the start (absolute
+    paths: the backend resolves them)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be one of {', '.join(map(str, LORA_RANKS))}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 _GROUPS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                            "parallel": ParallelConfig}
+                            "parallel": ParallelConfig, "lora": LoRAConfig}
 _GROUP_OF = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
 
 
 class EngineConfig:
-    """Everything the engine needs besides the model folder: its four groups (vLLM's VllmConfig).
+    """Everything the engine needs besides the model folder: its groups (vLLM's VllmConfig).
 
     Built from flat settings (`EngineConfig(block_size=8, dtype="float32")`; TypeError for a name no
     group has) or from the groups; a flat name reads through to its group. Immutable."""
@@ -157,11 +228,12 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    lora: LoRAConfig
 
     def __init__(self, model: ModelConfig | None = None, cache: CacheConfig | None = None,
                  scheduler: SchedulerConfig | None = None, parallel: ParallelConfig | None = None,
-                 **settings: Any) -> None:
-        given = {"model": model, "cache": cache, "scheduler": scheduler, "parallel": parallel}
+                 lora: LoRAConfig | None = None, **settings: Any) -> None:
+        given = {"model": model, "cache": cache, "scheduler": scheduler, "parallel": parallel, "lora": lora}
         unknown = sorted(set(settings) - set(_GROUP_OF))
         if unknown:
             raise TypeError(f"unknown engine settings: {', '.join(unknown)}")
@@ -206,6 +278,9 @@ class EngineConfig:
             if name not in _GROUP_OF:
                 continue
             text = str(raw).strip()
+            if name == "lora_modules":
+                kwargs[name] = parse_lora_modules(text)
+                continue
             if name == "speculative_config":  # its own messages name the bad field
                 try:
                     kwargs[name] = SpeculativeConfig.from_json(text)
@@ -227,7 +302,7 @@ def _parse(name: str, text: str) -> object:
     if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config",
                 "engine_core", "kv_cache_dtype"):
         return text.lower()
-    if name == "enable_prefix_caching":
+    if name in ("enable_prefix_caching", "enable_lora"):
         low = text.lower()
         if low not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError
@@ -236,6 +311,6 @@ def _parse(name: str, text: str) -> object:
         return float(text)
     if name in ("kv_cache_memory_bytes", "swap_space_bytes"):
         return int(float(text))
-    if name in ("max_model_len", "num_threads", "max_tokens_cap"):
+    if name in ("max_model_len", "num_threads", "max_tokens_cap", "max_cpu_loras"):
         return int(text) if text else None
     return int(text)

@@ -115,7 +115,7 @@ class EngineCoreClient(EngineClient):
 
     # -- commands ----------------------------------------------------------------------------------
 
-    def _send(self, command: cm.Add | cm.Abort | cm.ResetPrefixCache) -> None:
+    def _send(self, command: cm.Add | cm.Abort | cm.ResetPrefixCache | cm.UpdateLoRA) -> None:
         data = encode(command)
         with self._send_lock:
             core = self._core
@@ -175,6 +175,7 @@ class EngineCoreClient(EngineClient):
             super().__init__(self._tokenizer, core.ready.facts, core.ready.stats)
         else:
             self._set_stats(core.ready.stats)
+            self.lora_adapters = dict(core.ready.facts.lora_adapters or {})  # a new core serves its startup set
         with self._send_lock:
             self._core, self._pid = core, child.pid
         log.info("LLM engine core started (pid %d)", child.pid)
@@ -234,6 +235,8 @@ class EngineCoreClient(EngineClient):
                 self._answer(event.token, event.ok)
             elif isinstance(event, cm.Fatal):
                 self._fatal = event.message  # what `lost` says, as the process exits next
+            elif isinstance(event, cm.LoRAUpdated):
+                self._answer(event.token, event)
         return True
 
     @staticmethod

@@ -2,10 +2,11 @@
 (engine_core.py), as vLLM keeps EngineCoreRequest / EngineCoreOutputs: typed Messages
 (pier.ipc.messages), each one ZeroMQ frame.
 
-    server -> core   Init (once), then Add, Abort, and Stop         (Command)
+    server -> core   Init (once), then Add, Abort, ResetPrefixCache, UpdateLoRA and Stop  (Command)
     core -> server   Progress while it loads, Ready | LoadFailed (to Init), then per step Outputs (the
-                     step's RequestOutputs and the engine's stats), and Refused for a request the
-                     engine would not take, Fatal before it exits when it cannot step any more  (Event)
+                     step's RequestOutputs and the engine's stats), Refused for a request the
+                     engine would not take, the answers PrefixCacheReset and LoRAUpdated, Fatal
+                     before it exits when it cannot step any more  (Event)
 
 The first field of a message about one request is its id, so one that does not decode fails that
 request alone (pier.ipc.messages.BadMessage.ref). SamplingParams, RequestOutput, EngineStats and
@@ -37,11 +38,15 @@ class EngineFacts:
     generation_defaults: dict[str, Any]
     max_tokens_cap: int | None
     cache_config_info: dict[str, str]
+    max_loras: int = 0  # 0: LoRA off
+    lora_adapters: dict[str, str] | None = None  # the adapters served at the start: name -> folder
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
+        lora = engine.config.lora
         return cls(engine.max_model_len, engine.model_config.vocab_size, dict(engine.generation_defaults),
-                   engine.config.model.max_tokens_cap, engine.cache_config_info())
+                   engine.config.model.max_tokens_cap, engine.cache_config_info(),
+                   lora.max_loras if lora.enable_lora else 0, engine.lora_adapters())
 
 
 class Init(Message):
@@ -78,6 +83,25 @@ class ResetPrefixCache(Message):
     token: str
 
 
+class UpdateLoRA(Message):
+    """Load (`path` given) or unload (`path` None) a LoRA adapter; answered with LoRAUpdated (same token)."""
+
+    token: str
+    name: str
+    path: str | None
+    inplace: bool = False
+
+
+class LoRAUpdated(Message):
+    """vLLM's answer to /v1/load_lora_adapter or /v1/unload_lora_adapter: the HTTP status and its
+    text, and the adapters served after it."""
+
+    token: str
+    status: int
+    message: str
+    adapters: dict[str, str]
+
+
 class Ready(Message):
     facts: EngineFacts
     stats: EngineStats
@@ -109,8 +133,8 @@ class PrefixCacheReset(Message):
     ok: bool  # False: requests held blocks, nothing was reset
 
 
-Command = Init | Add | Abort | Stop | ResetPrefixCache
-Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset | Fatal
+Command = Init | Add | Abort | Stop | ResetPrefixCache | UpdateLoRA
+Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset | LoRAUpdated | Fatal
 
 COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
 EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")

@@ -23,6 +23,8 @@ from .config import CacheConfig, EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
 from .layers.linear import gemm_dtype, onednn_available
+from .layers.lora import LoRABatch
+from .lora import Adapter, LoRAManager
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models import registry
 from .models.hf_config import ArchConfig
@@ -161,6 +163,8 @@ class LLMEngine:
         group = None
         if par.tensor_parallel_size > 1:
             shard.check(mc, par.tensor_parallel_size)  # before any rank starts
+            if cfg.lora.enable_lora:
+                raise ValueError("enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 yet")
             if spec is not None and spec.model is not None:
                 raise ValueError("speculative_config: a draft model is not served with tensor_parallel_size > 1 yet "
                                  "(the n-gram method is)")
@@ -180,6 +184,12 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, self.runner.num_cpu_blocks)
         self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.execute = self.runner.execute if self.executor is None else self.executor.execute
+        self.lora: LoRAManager | None = None
+        if cfg.lora.enable_lora:  # the projections get the LoRA method; the runner sets its rows each step
+            self.runner.lora = LoRABatch()
+            self.lora = LoRAManager(self.model, cfg.lora, self.runner.lora)
+            for module in cfg.lora.lora_modules:  # a bad one fails the load, naming it
+                self.lora.add(module.name, Path(module.path), module.base_model_name)
         self.scheduler = Scheduler(cfg, self.kv, None if spec is None else Proposer(spec, self.max_model_len).propose)
         self.grammars = GrammarCompiler(self.tokenizer.json, mc.vocab_size, self.eos_ids)
         self.generation_defaults = _generation_defaults(folder) if model.generation_config == "auto" else {}
@@ -224,11 +234,57 @@ class LLMEngine:
         params = params or SamplingParams()
         self.inputs.check(params)
         ids = self.inputs.encode_prompt(prompt)
+        lora_id = self._lora_id(params.lora_name)
         seq = self.outputs.new_seq(request_id, 0, ids, params, arrival_time or time.monotonic())
         seq.pending_forks = params.n - 1
+        seq.lora_id = lora_id
         self._requests[request_id] = [seq]
         self._prompt_tokens += len(ids)
         self.scheduler.add(seq)
+
+    def _lora_id(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if self.lora is None:
+            raise ValueError("LoRA feature is not enabled.")
+        return self.lora.resolve(name)
+
+    # -- LoRA adapters (lora.py) -----------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str | Path, inplace: bool = False) -> Adapter:
+        """Serve the PEFT adapter at `path` as `name`. Raises lora.LoRAError (its `status`: 400, or 404
+        for no adapter there), ValueError when LoRA is off."""
+        if self.lora is None:
+            raise ValueError("LoRA feature is not enabled.")
+        return self.lora.add(name, Path(path), inplace=inplace)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; KeyError when it is not served."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.remove(name)
+
+    def update_lora(self, name: str, path: str | None, inplace: bool = False) -> tuple[int, str]:
+        """vLLM's /v1/load_lora_adapter (`path` given) or /v1/unload_lora_adapter: (HTTP status, text)."""
+        from .lora import LoRAError
+
+        if path is None:
+            try:
+                self.unload_lora(name)
+            except KeyError:
+                return 404, f"The lora adapter '{name}' cannot be found."
+            return 200, f"Success: LoRA adapter '{name}' removed successfully."
+        try:
+            self.load_lora(name, path, inplace)
+        except LoRAError as exc:
+            return exc.status, str(exc)
+        except ValueError as exc:
+            return 400, str(exc)
+        return 200, f"Success: LoRA adapter '{name}' added successfully."
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served: name -> folder."""
+        return {} if self.lora is None else {a.name: str(a.path) for a in self.lora.adapters.values()}
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request: its blocks are freed now. Returns its final "abort" outputs (empty if unknown)."""
@@ -245,6 +301,9 @@ class LLMEngine:
         if so.is_empty:
             return []
         self._peak_blocks = max(self._peak_blocks, self.kv.pool.num_blocks - self.kv.pool.num_free)
+        if self.lora is not None:
+            in_use = {s.lora_id for seqs in self._requests.values() for s in seqs if not s.finished}
+            self.lora.activate({s.lora_id for s in so.scheduled if s.lora_id}, in_use)
         out = self.execute(so, self._grammar_bitmask(so))
         outs = self.outputs.process(so, out)
         for s in so.scheduled:
@@ -280,6 +339,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        running, waiting = self._lora_stats()
         return EngineStats(
             num_running=s["running"], num_waiting=s["waiting"], num_swapped=s["swapped"],
             kv_cache_usage=self.kv.pool.usage(), prefix_cache_queries=self.kv.prefix_queries,
@@ -287,7 +347,16 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens, generation_tokens=self.outputs.generation_tokens,
             num_blocks=self.kv.pool.num_blocks, peak_blocks_used=self._peak_blocks,
             spec_decode=None if self.config.scheduler.speculative_config is None else self.runner.spec_stats.copy(),
+            lora_running=running, lora_waiting=waiting,
         )
+
+    def _lora_stats(self) -> tuple[list[str], list[str]]:
+        """The adapters (names) of the running requests, and of those waiting or swapped out."""
+        if self.lora is None:
+            return [], []
+        sched, name = self.scheduler, self.lora.name_of
+        return (sorted({name(s.lora_id) for s in sched.running if s.lora_id}),
+                sorted({name(s.lora_id) for s in [*sched.waiting, *sched.swapped] if s.lora_id}))
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[list[list[int]]]:

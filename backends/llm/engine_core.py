@@ -34,6 +34,7 @@ from .core_messages import (
     Fatal,
     Init,
     LoadFailed,
+    LoRAUpdated,
     Outputs,
     PrefixCacheReset,
     Progress,
@@ -41,6 +42,7 @@ from .core_messages import (
     Refused,
     ResetPrefixCache,
     Stop,
+    UpdateLoRA,
 )
 from .outputs import EngineStats, RequestOutput
 
@@ -105,6 +107,9 @@ class EngineCore:
                 outs.extend(self.engine.abort(cmd.request_id))
             elif isinstance(cmd, ResetPrefixCache):
                 self.outputs.send(encode(PrefixCacheReset(cmd.token, self.engine.reset_prefix_cache())))
+            elif isinstance(cmd, UpdateLoRA):
+                status, message = self.engine.update_lora(cmd.name, cmd.path, cmd.inplace)
+                self.outputs.send(encode(LoRAUpdated(cmd.token, status, message, self.engine.lora_adapters())))
             elif isinstance(cmd, Stop):
                 return False
 

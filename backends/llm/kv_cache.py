@@ -139,6 +139,7 @@ class SeqBlocks:
     blocks: list[int] = field(default_factory=list)
     keys: list[BlockKey] = field(default_factory=list)
     cpu_blocks: list[int] | None = None  # set while swapped out
+    salt: int = 0  # the first block's "previous hash": the LoRA adapter id, so adapters never share KV
 
 
 class KVCacheManager:
@@ -157,8 +158,11 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self.seqs[seq_id].blocks
 
-    def computed_prefix(self, seq_id: str, token_ids: Sequence[int]) -> tuple[list[int], list[BlockKey]]:
-        """Longest run of cached full blocks for a sequence about to be (re)admitted.
+    def computed_prefix(self, seq_id: str, token_ids: Sequence[int], salt: int = 0
+                        ) -> tuple[list[int], list[BlockKey]]:
+        """Longest run of cached full blocks for a sequence about to be (re)admitted. `salt` starts
+        the hash chain (the LoRA adapter's id: blocks computed under one adapter, or one load of it,
+        never match a request of another).
 
         At most len(token_ids) - 1 tokens: the last token is always computed, for its logits.
         """
@@ -167,7 +171,7 @@ class KVCacheManager:
         bs = self.block_size
         blocks: list[int] = []
         keys: list[BlockKey] = []
-        prev = 0
+        prev = salt
         for i in range((len(token_ids) - 1) // bs):
             key = (prev, tuple(token_ids[i * bs : (i + 1) * bs]))
             b = self.pool.lookup(key)
@@ -203,17 +207,19 @@ class KVCacheManager:
         num_new: int,
         cached: Sequence[int] = (),
         cached_keys: Sequence[BlockKey] = (),
+        salt: int = 0,
     ) -> list[tuple[int, int]] | None:
         """Give the sequence room for `num_new` more tokens; None if the pool is short.
 
-        `cached` are prefix blocks from `computed_prefix` (first allocation only). Returns the
+        `cached` are prefix blocks from `computed_prefix` (first allocation only; `salt` the one
+        computed_prefix was given). Returns the
         block copies (src, dst) the runner must do first (copy-on-write after a fork).
         """
         if not self.can_allocate(seq_id, num_computed, num_new, cached):
             return None
         sb = self.seqs.get(seq_id)
         if sb is None:
-            sb = self.seqs[seq_id] = SeqBlocks(list(cached), list(cached_keys))
+            sb = self.seqs[seq_id] = SeqBlocks(list(cached), list(cached_keys), salt=salt)
             self.pool.acquire(cached)
         copies: list[tuple[int, int]] = []
         bs = self.block_size
@@ -241,7 +247,7 @@ class KVCacheManager:
 
     def _register_full(self, sb: SeqBlocks, token_ids: Sequence[int], num_full: int) -> None:
         bs = self.block_size
-        prev = hash(sb.keys[-1]) if sb.keys else 0
+        prev = hash(sb.keys[-1]) if sb.keys else sb.salt
         for i in range(len(sb.keys), num_full):
             key = (prev, tuple(token_ids[i * bs : (i + 1) * bs]))
             self.pool.register(sb.blocks[i], key)
@@ -261,7 +267,7 @@ class KVCacheManager:
         """The child shares every block of the parent (ref counts up; copy-on-write later)."""
         sb = self.seqs[parent_id]
         self.pool.acquire(sb.blocks)
-        self.seqs[child_id] = SeqBlocks(list(sb.blocks), list(sb.keys))
+        self.seqs[child_id] = SeqBlocks(list(sb.blocks), list(sb.keys), salt=sb.salt)
 
     def swap_out(self, seq_id: str) -> list[tuple[int, int]] | None:
         """Move the sequence to CPU blocks; (device, cpu) copies to do, or None if no room."""

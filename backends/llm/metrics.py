@@ -5,6 +5,7 @@ request-level histograms the backend observes as it streams."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from pier.contract import prometheus
@@ -123,9 +124,9 @@ class LLMMetrics:
                 h["vllm:request_time_per_output_token_seconds"].observe(
                     phases["time_in_model_decode"] / (out.completion_tokens - 1))
 
-    def render(self, s: EngineStats, model: str, cache_info: dict[str, str] | None = None) -> str:
+    def render(self, s: EngineStats, model: str, cache_info: dict[str, str] | None = None, max_loras: int = 0) -> str:
         """The vllm:* families, vLLM's names and help texts, for the engine stats `s` (and the KV
-        cache's settings, vllm:cache_config_info's labels)."""
+        cache's settings, vllm:cache_config_info's labels; with LoRA on, `max_loras`)."""
         labels = f'model_name="{model}"'
         parts: list[str] = []
 
@@ -175,4 +176,9 @@ class LLMMetrics:
             family(name, "histogram", help_text, hist.render(name, labels))
         for name, (help_text, hist) in self.per_request.items():
             family(name, "histogram", help_text, hist.render(name, labels))
+        if max_loras:  # exactly vLLM's: no model_name label, names joined by "," and the time as the value
+            lora = (f'max_lora="{max_loras}",running_lora_adapters="{",".join(s.lora_running)}",'
+                    f'waiting_lora_adapters="{",".join(s.lora_waiting)}"')
+            family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+                   [f"vllm:lora_requests_info{{{lora}}} {time.time()}\n"])
         return "".join(parts)

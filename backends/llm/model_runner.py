@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillChunk, prefix_causal_mask
+from .layers.lora import LoRABatch
 from .models.interface import CausalLM, KVCacheSpec
 from .outputs import ModelRunnerOutput, PromptLogprobs
 from .sampler import SamplingState, sample
@@ -40,6 +41,9 @@ class ModelRunner:
         """`draft`: speculative decoding's draft model (spec_draft.py), with KV caches of its own
         under the same block ids."""
         self.model = model
+        # the LoRA layers' row mapping (layers/lora.py; the engine sets it with LoRA on): set here each
+        # step from the sequences' adapter ids
+        self.lora: LoRABatch | None = None
         self.eos_ids = eos_ids
         self.states: dict[str, SamplingState] = {}  # seq id -> its sampler state
         self.decode_op = decode_op  # the compiled paged decode kernel, or None for the torch path
@@ -181,6 +185,8 @@ class ModelRunner:
                 sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
+        if self.lora is not None and model in (None, self.model):  # each row's adapter, in the rows' order
+            self.lora.set([s.lora_id for s in decodes] + [s.lora_id for s in prefills for _ in s.token_ids], dev)
         hidden = (model or self.model).forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                                self.kv_caches if kv_caches is None else kv_caches, meta)
         return hidden, sampling, lp_rows

@@ -96,6 +96,7 @@ class OutputProcessor:
         for _, index in forks:
             child = self.new_seq(rid, index, parent.prompt_ids, parent.params, parent.arrival_time)
             child.first_scheduled_time = parent.first_scheduled_time
+            child.lora_id = parent.lora_id
             self.kv.fork(parent.seq_id, child.seq_id)
             child.prompt_lp, child.prompt_lp_sent = parent.prompt_lp, True  # sent once, by the parent
             child.num_computed = parent.num_computed

@@ -88,4 +88,7 @@ class EngineStats:
     num_blocks: int = 0
     peak_blocks_used: int = 0
     spec_decode: SpecDecodeStats | None = None  # vllm:spec_decode_* (with speculative_config)
+    # vllm:lora_requests_info: the adapters of the running and of the waiting requests (names, sorted)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)

@@ -44,6 +44,7 @@ class SequenceState:
     detok: Any = None  # tokenizer.IncrementalDetokenizer
     matcher: Any = None  # llguidance.LLMatcher: structured output's grammar state (structured.py)
     num_preemptions: int = 0
+    lora_id: int = 0  # the LoRA adapter's id (lora.LoRAManager; new at every load), 0: the base model
     # prompt_logprobs: (token id, logprob, alternatives) for prompt positions 1.. computed so far;
     # position 0 has none. Sent once, with the first output.
     prompt_lp: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)

@@ -47,6 +47,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a grammar the output must follow (structured.py)
     priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's request priority)
     embed: bool = False  # nothing is generated: the answer is the prompt's embedding (last token, L2-normalised)
+    # the LoRA adapter to run (lora.py; Triton's vLLM backend takes it in sampling_parameters), None: the base
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +127,10 @@ class SamplingParams:
             elif value is None:
                 if key in ("max_tokens", "seed", "logprobs"):
                     kwargs[key] = None
+            elif key == "lora_name":
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"invalid value for lora_name: {value!r}")
+                kwargs[key] = value
             elif key == "structured_outputs":
                 kwargs[key] = value if isinstance(value, StructuredOutputs) else StructuredOutputs.from_json(value)
             else:

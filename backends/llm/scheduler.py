@@ -10,7 +10,8 @@ Each step, in this order:
 2. without a preemption this step, swapped sequences come back first (FIFO);
 3. then waiting sequences are admitted while `max_num_seqs`, the token budget and the pool allow;
    a prompt longer than the remaining budget is split (chunked prefill), so decodes never stall
-   behind a long prompt. Prefix-cache hits skip the cached blocks.
+   behind a long prompt. Prefix-cache hits skip the cached blocks. With LoRA, at most `max_loras`
+   distinct adapters run at once: a request for another adapter waits (those behind it may go).
 The result is a SchedulerOutput; nothing here touches tensors.
 """
 
@@ -43,6 +44,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished: list[str] = []  # ended since the last step: the runner drops their state
         self.by_priority = self.config.scheduling_policy == "priority"
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
 
     @staticmethod
     def _rank(seq: SequenceState) -> tuple[int, float]:
@@ -170,11 +172,20 @@ class Scheduler:
         so that max_num_seqs bounds what runs together after the forks too."""
         return sum(1 + s.pending_forks for s in self.running)
 
+    def running_loras(self) -> set[int]:
+        """The LoRA adapter ids the running sequences use (not the base model's 0)."""
+        return {s.lora_id for s in self.running if s.lora_id} if self.max_loras else set()
+
+    def _lora_full(self, seq: SequenceState, loras: set[int]) -> bool:
+        """Whether `seq` must wait because max_loras other adapters run already."""
+        return bool(seq.lora_id) and seq.lora_id not in loras and len(loras) >= self.max_loras
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         seats = self._seats()
+        loras = self.running_loras()
         while self.swapped and budget > 0:
             seq = self.swapped[0]
-            if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
+            if seats + 1 + seq.pending_forks > self.config.max_num_seqs or self._lora_full(seq, loras):
                 break
             sb = self.kv.seqs[seq.seq_id]
             assert sb.cpu_blocks is not None
@@ -189,6 +200,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seats += 1 + seq.pending_forks
+            if seq.lora_id:
+                loras.add(seq.lora_id)
             self._emit(seq, num_new, out)
             budget -= num_new
         return budget
@@ -196,19 +209,26 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bs = self.kv.block_size
         seats = self._seats()
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        loras = self.running_loras()
+        i = 0  # requests for an adapter past max_loras are passed over: they wait, the rest go
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
             if seats + 1 + seq.pending_forks > self.config.max_num_seqs:
                 break
-            cached, keys = ([], []) if seq.wants_prompt_logprobs else self.kv.computed_prefix(seq.seq_id,
-                                                                                               seq.token_ids)
+            if self._lora_full(seq, loras):
+                i += 1
+                continue
+            cached, keys = ([], []) if seq.wants_prompt_logprobs else self.kv.computed_prefix(
+                seq.seq_id, seq.token_ids, seq.lora_id)
             num_cached = len(cached) * bs
             num_new = min(len(seq.token_ids) - num_cached, budget)
-            copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, cached, keys)
+            copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, cached, keys, seq.lora_id)
             if copies is None:
                 break
             self.kv.record_prefix_lookup(len(seq.token_ids), num_cached)
-            self.waiting.popleft()
+            del self.waiting[i]
+            if seq.lora_id:
+                loras.add(seq.lora_id)
             seq.num_computed = num_cached
             seq.status = SeqStatus.RUNNING
             if seq.first_scheduled_time is None:  # its first step: the runner meets it
@@ -233,6 +253,7 @@ class Scheduler:
                 prompt_logprobs=seq.wants_prompt_logprobs and start < seq.num_prompt,
                 forks=seq.fork_ids if sample else [],
                 draft_token_ids=drafts,
+                lora_id=seq.lora_id,
             )
         )
         seq.num_computed = start + num_new

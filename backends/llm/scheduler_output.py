@@ -40,6 +40,7 @@ class ScheduledSeq:
     # speculative decoding: the last `len(draft_token_ids)` of token_ids are drafts (spec_decode.py),
     # verified in this pass; the sampling starts at the row of the last known token
     draft_token_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # the LoRA adapter this sequence runs (lora.py), 0 for the base model
 
 
 @dataclass

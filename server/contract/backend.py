@@ -208,6 +208,11 @@ class ModelInstance(abc.ABC):
         Called on the server's event loop."""
         return True
 
+    async def update_lora(self, name: str, path: str | None, inplace: bool) -> tuple[int, str]:
+        """Load (`path` given) or unload a LoRA adapter (the LLM's; vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter): (HTTP status, vLLM's text). Called on the server's event loop."""
+        return 400, "LoRA feature is not enabled."
+
     def load_report(self) -> dict[str, float]:
         """The instance's load now, for the ORCA `endpoint-load-metrics` header that inference
         gateways read (vLLM's named metrics: the LLM's kv_cache_usage_perc, a fraction, and

@@ -53,6 +53,9 @@ INFO_MAX_MODEL_LEN = "max_model_len"  # an instance's info(): the context length
 # the answer names the model that answered, this header the one asked
 FALLBACK_FROM_HEADER = "x-pier-fallback-from"
 INFO_TOOL_CALL_PARSER = "tool_call_parser"  # ... and how tool calls are found in its text (None: no parser)
+# ... and, with LoRA on (enable_lora), the adapters it serves: {name: folder}. The OpenAI API's `model`
+# picks one (the request goes to the base model with SAMPLING_LORA_NAME set); /v1/models lists them.
+INFO_LORA_ADAPTERS = "lora_adapters"
 # The config.pbtxt parameter `tool_call_parser` takes vLLM's names of these formats.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -131,6 +134,7 @@ SAMPLING_MAX_TOKENS = "max_tokens"
 SAMPLING_N = "n"  # sequences per request (sequence_index 0 .. n-1)
 SAMPLING_LOGPROBS = "logprobs"  # alternatives per generated token
 SAMPLING_PROMPT_LOGPROBS = "prompt_logprobs"  # alternatives per prompt token (asks for that output)
+SAMPLING_LORA_NAME = "lora_name"  # the LoRA adapter to run (Triton's vLLM backend's field too)
 SAMPLING_STRUCTURED_OUTPUTS = "structured_outputs"  # vLLM's object: json, json_object, regex, choice, grammar
 
 # ---- a request parameter ------------------------------------------------------------------

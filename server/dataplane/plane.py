@@ -215,6 +215,12 @@ class DataPlane:
         done = [await instance.reset_prefix_cache() for m in self._routes.loaded_models() for instance in m.instances]
         return all(done)
 
+    async def update_lora(self, model: str, name: str, path: str | None, inplace: bool) -> tuple[int, str]:
+        """Load or unload LoRA adapter `name` in every instance of `model`: (HTTP status, text), the first failure's."""
+        models = [m for m in self._routes.loaded_models() if m.spec.name == model]
+        answers = [await i.update_lora(name, path, inplace) for m in models for i in m.instances]
+        return next((a for a in answers if a[0] != 200), answers[0] if answers else (404, f"no model {model!r}"))
+
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return config_to_json(self.resolve(name, version).config)
 

@@ -39,6 +39,7 @@ class LlamaDecoderLayer:
                  dtype: torch.dtype, device: torch.device) -> None:
         nh, nkv, hd, hidden, inter = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                                       cfg.intermediate_size)
+        self.rope, self.qk_heads = rope, (nh, nkv)
         self.input_layernorm = RMSNorm(prefix + "input_layernorm", hidden, cfg.rms_norm_eps)
         self.qkv_proj = Linear(prefix + "self_attn.qkv_proj", hidden, (nh * hd, nkv * hd, nkv * hd), cfg.qkv_bias,
                                dtype, device)
@@ -57,20 +58,24 @@ class LlamaDecoderLayer:
         return [(self.qkv_proj, (a + "q_proj", a + "k_proj", a + "v_proj")), (self.o_proj, (a + "o_proj",)),
                 (self.gate_up_proj, (m + "gate_proj", m + "up_proj")), (self.down_proj, (m + "down_proj",))]
 
+    def slice_layout(self, linear: Linear, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor whose rows are slice `index`'s outputs (its weight or bias, a LoRA B)
+        in the order this layer stores them: q's and k's in RoPE's pair layout."""
+        if linear is self.qkv_proj and index < 2:
+            return self.rope.interleave(rows, self.qk_heads[index])
+        return rows
+
     def weights(self, prefix: str, rope: RotaryEmbedding, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
                 into: WeightMap) -> None:
         """Map Hugging Face's tensor names (separate q/k/v, gate/up) onto the fused projections."""
         for norm in self.norms:
             into.add(f"{norm.name}.weight", norm.loader(dtype, device))
-        heads = (cfg.num_heads, cfg.num_kv_heads, None)
         for linear, parts in self.checkpoint_parts(prefix):
             for i, part in enumerate(parts):
-                rotate = heads[i] if linear is self.qkv_proj else None
                 kinds = ("weight", "bias") if linear.has_bias else ("weight",)
                 for kind in kinds:
-                    def load(t: torch.Tensor, lin: Linear = linear, i: int = i, kind: str = kind,
-                             rotate: int | None = rotate) -> None:
-                        lin.load(i, t if rotate is None else rope.interleave(t, rotate), kind)
+                    def load(t: torch.Tensor, lin: Linear = linear, i: int = i, kind: str = kind) -> None:
+                        lin.load(i, self.slice_layout(lin, i, t), kind)
                     into.add(f"{part}.{kind}", load)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, rotations: torch.Tensor | None, kv_cache: KVCache,

@@ -35,6 +35,8 @@ def _ok(name: str | None = None, content_type: str = _JSON, description: str = "
 _TEXT_EMPTY = {"description": "An empty text/plain body", "content": {"text/plain": {"schema": STRING}}}
 _SSE = {"description": "Server-sent events: one `data: {json}` line per response (OpenAI: ending `data: [DONE]`)",
         "content": {"text/event-stream": {"schema": STRING}}}
+_LORA_OK = {"200": {"description": "vLLM's plain-text success line",
+                    "content": {"text/plain": {"schema": STRING}}}}
 _PROMETHEUS = {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": STRING}}}
 
 
@@ -109,6 +111,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "ChatCompletionRequest", openai=True),
     ("POST", "/v1/embeddings"): _op("Embeddings (OpenAI)", "openai", _ok("Embeddings"), "EmbeddingRequest",
                                     openai=True),
+    ("POST", "/v1/load_lora_adapter"): _op("Load a LoRA adapter (vLLM's)", "model-repository", _LORA_OK,
+                                           "LoadLoRARequest", openai=True),
+    ("POST", "/v1/unload_lora_adapter"): _op("Unload a LoRA adapter (vLLM's)", "model-repository", _LORA_OK,
+                                             "UnloadLoRARequest", openai=True),
     ("POST", "/tokenize"): _op("Tokenize (vLLM's)", "openai", _ok("Tokens"), "TokenizeRequest", openai=True),
     ("POST", "/detokenize"): _op("Detokenize (vLLM's)", "openai", _ok("Text"), "DetokenizeRequest", openai=True),
     ("GET", "/health"): _op("Health (vLLM's)", "health", {"200": {"description": "Healthy"}}, openai=True),

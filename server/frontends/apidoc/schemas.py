@@ -114,6 +114,9 @@ SCHEMAS: dict[str, Schema] = {
                   token_strs={**array(STRING), "nullable": True}),  # null unless asked for (vLLM's)
     "DetokenizeRequest": obj(("model", "tokens"), model=STRING, tokens=array(INT)),
     "Text": obj(("prompt",), prompt=STRING),
+    "LoadLoRARequest": obj(("lora_name", "lora_path"), lora_name=STRING, lora_path=STRING, load_inplace=BOOL,
+                           model=STRING),
+    "UnloadLoRARequest": obj(("lora_name",), lora_name=STRING, model=STRING),
     "Version": obj(("version",), version=STRING),
     "Status": {**obj(("refresh_s", "withheld"), refresh_s=NUMBER, window_s=NUMBER, withheld=array(STRING),
                      server=ANY_OBJECT, models=array(obj(("name", "state"), name=STRING,

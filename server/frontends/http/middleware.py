@@ -112,6 +112,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def http_category(path: str) -> str | None:
     """The API category of an HTTP path (Triton's grouping; Pier's OpenAI routes count as inference)."""
+    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # vLLM's, restricted as model control
+        return "model-repository"
     if path.startswith("/v1/"):
         return "inference"
     if path.startswith("/v2/health/"):

@@ -133,3 +133,44 @@ def truncated_copy(src: Path, dst: Path, num_layers: int) -> Path:
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     save_file(keep, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def build_adapter(base: Path, folder: Path, seed: int, r: int = 8, alpha: float = 16,
+                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"), **config: object) -> Path:
+    """A PEFT LoRA adapter of the model in `base`, saved to `folder`, with random A and B (B non-zero:
+    a zero B, PEFT's default, would change nothing and prove nothing). `config`: more LoraConfig fields."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                      init_lora_weights=False, **config))  # type: ignore[arg-type]
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    lora.save_pretrained(folder)
+    return folder
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """PEFT's PeftModel + transformers greedy generate (the base model alone for adapter None)."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs

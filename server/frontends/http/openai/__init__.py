@@ -32,6 +32,8 @@ def add_routes(app: web.Application, plane: DataPlane, max_json_size: int) -> No
         app.router.add_post("/v1/completions" + slash, h.completions)
         app.router.add_post("/v1/chat/completions" + slash, h.chat_completions)
         app.router.add_post("/v1/embeddings" + slash, h.embeddings)
+    app.router.add_post("/v1/load_lora_adapter", h.load_lora_adapter)  # vLLM's; restricted as model control
+    app.router.add_post("/v1/unload_lora_adapter", h.unload_lora_adapter)
     app.router.add_post("/tokenize", h.tokenize)  # vLLM's
     app.router.add_post("/detokenize", h.detokenize)
     app.router.add_get("/health", h.health)

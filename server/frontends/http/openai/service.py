@@ -82,11 +82,16 @@ class OpenAIHandlers:
         try:
             doc = await read_body(request, self.max_json_size)
             llms = self.plane.models_with_backend(llm.BACKEND_NAME)  # read once for the whole call
-            # MODEL_KEY: gateway_headers reports this model's load
-            model = request[MODEL_KEY] = check_model(doc.get("model"), list(llms), self.plane.not_serving)
+            adapters = lora_adapters(llms)
+            name = doc.get("model")
+            asked = check_model(name, [*llms, *adapters] if name is not None else list(llms), self.plane.not_serving)
+            # MODEL_KEY: gateway_headers reports this model's load (an adapter's: its base's)
+            model = request[MODEL_KEY] = adapters[asked][0] if asked in adapters else asked
             info = llms.get(model, {})
             check_fields(doc, endpoint.chat)
             sampling, logprobs = sampling_parameters(doc, endpoint.chat)
+            if asked in adapters:  # the base model runs the adapter
+                sampling[llm.SAMPLING_LORA_NAME] = asked
             constraint = structured_outputs(doc)
             tool_plan = None
             if endpoint.chat:  # forced tool calls are structured output too
@@ -115,11 +120,12 @@ class OpenAIHandlers:
         if watched is not None:
             deltas = watched.watch(deltas)
         first = await anext(deltas)
-        answered = firsts[0]["model"] or model  # an overloaded model's fallback (dataplane/degrade.py)
+        # the model that answered: an overloaded model's fallback (dataplane/degrade.py), else the one asked
+        answered = asked if firsts[0]["model"] in ("", model) else firsts[0]["model"]
         call = Call(endpoint, endpoint.id_prefix + infers[0].id, int(time.time()), answered,
                     prompt_tokens=sum(f["prompt_tokens"] for f in firsts), choices=n * len(gens), per_prompt=n,
                     role=plan.role, echo=[plan.echo[k // n] for k in range(n * len(plan.echo))], tools=plan.tools,
-                    asked=model if answered != model else "")
+                    asked=asked if answered != asked else "")
         try:
             if doc.get("stream"):
                 options = doc.get("stream_options") or {}
@@ -145,7 +151,48 @@ class OpenAIHandlers:
                      self.plane.models_with_backend(llm.BACKEND_NAME).items()}}
         data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
                  llm.INFO_MAX_MODEL_LEN: limit} for m, limit in sorted(served.items())]
+        # LoRA adapters as vLLM lists them: root = the adapter's folder, parent = the base, no max_model_len
+        data += [{"id": a, "object": "model", "created": created, "owned_by": "pier", "root": path, "parent": base}
+                 for a, (base, path) in sorted(lora_adapters(self.plane.models_with_backend(llm.BACKEND_NAME)).items())]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}: 200 with a
+        plain-text success line, or vLLM's error (400, 404) in OpenAI's shape."""
+        try:
+            doc = await read_body(request, self.max_json_size)
+            name, path = doc.get("lora_name"), doc.get("lora_path")
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
+            status, text = await self.plane.update_lora(self._lora_base(doc), name, path, bool(doc.get("load_inplace")))
+        except BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        return web.Response(status=200, text=text) if status == 200 else error(status, text)
+
+    def _lora_base(self, doc: dict[str, Any]) -> str:
+        """The LLM model whose adapters a load or unload changes: the one with LoRA on (Pier's `model`
+        field names it when several have)."""
+        serving = [m for m, info in self.plane.models_with_backend(llm.BACKEND_NAME).items()
+                   if info.get(llm.INFO_LORA_ADAPTERS) is not None]
+        model = doc.get("model")
+        if model is not None and model not in serving:
+            raise BadRequest(f"The model `{model}` does not exist or serves no LoRA adapters.", "model", 404)
+        if model is None and len(serving) != 1:
+            raise BadRequest("LoRA feature is not enabled." if not serving else
+                             f"Several models serve LoRA adapters ({', '.join(serving)}): name one in 'model'.")
+        return model or serving[0]
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}."""
+        try:
+            doc = await read_body(request, self.max_json_size)
+            name = doc.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest("'lora_name' needs to be provided to unload a LoRA adapter.")
+            status, text = await self.plane.update_lora(self._lora_base(doc), name, None, False)
+        except BadRequest as exc:
+            return error(exc.status, exc.message, exc.param)
+        return web.Response(status=200, text=text) if status == 200 else error(status, text)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's /v1/embeddings, for LLMs and for models declared with openai_embeddings."""
@@ -201,3 +248,10 @@ class OpenAIHandlers:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.Response(body=orjson.dumps({"version": __version__}), content_type="application/json")
+
+
+def lora_adapters(llms: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """The LoRA adapters the LLM models serve (their info()): name -> (base model, folder). A model's
+    own name wins over an adapter's."""
+    return {a: (m, path) for m, info in llms.items() for a, path in (info.get(llm.INFO_LORA_ADAPTERS) or {}).items()
+            if a not in llms}
