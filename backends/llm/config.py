@@ -26,6 +26,7 @@ _ATTENTION = ("auto", "torch")
 # vLLM's kv_cache_dtype values; only "auto" (the model's dtype) is implemented: an FP8 cache (issue 34,
 # part 3) is refused at load rather than silently served in full precision
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_QUANTIZATION = ("int8", "gptq", "awq", "compressed-tensors")  # models/quantization.METHODS
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class ModelConfig:
     # CPU in float32 (built on first use, see kernels.py), the torch path otherwise; "torch": always torch.
     attention: str = "auto"
     seed: int = 0
+    # vLLM's `quantization`: "int8" quantizes an unquantized checkpoint's decoder projections at load;
+    # a quantized checkpoint's method (gptq, awq, compressed-tensors) runs without it, and naming
+    # another is refused (models/quantization.py). None: the checkpoint's own, if any.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -59,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"attention must be 'auto' or 'torch', got {self.attention!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.quantization is not None and self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(_QUANTIZATION)}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -311,6 +318,8 @@ def _parse(name: str, text: str) -> object:
         return float(text)
     if name in ("kv_cache_memory_bytes", "swap_space_bytes"):
         return int(float(text))
+    if name == "quantization":
+        return text.lower() or None
     if name in ("max_model_len", "num_threads", "max_tokens_cap", "max_cpu_loras"):
         return int(text) if text else None
     return int(text)

@@ -109,9 +109,10 @@ def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc:
     model, cache, spec = cfg.model, cfg.cache, cfg.scheduler.speculative_config
     dtype, gemm = _dtypes(model.dtype, device, folder)
     prepare = None if group is None else (lambda m: shard.shard_model(m, group))
+    quant = registry.resolve_quantization(folder, model.quantization)
     draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
     with gemm_dtype(gemm):
-        lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare)
+        lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare, quant)
         if spec is not None and spec.model is not None:
             dfolder = draft_folder(spec.model, folder)
             check_tokenizers(folder, dfolder)
@@ -148,6 +149,7 @@ class LLMEngine:
         model, cache, sched, par = cfg.model, cfg.cache, cfg.scheduler, cfg.parallel
         folder = Path(model.model_path or model_dir)
         model_cls, self.model_config = registry.resolve(folder)
+        self.quant = registry.resolve_quantization(folder, model.quantization)  # what the weights run as
         self.tokenizer = Tokenizer(folder)
         mc = self.model_config
         self.max_model_len = min(model.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -163,6 +165,9 @@ class LLMEngine:
         group = None
         if par.tensor_parallel_size > 1:
             shard.check(mc, par.tensor_parallel_size)  # before any rank starts
+            if self.quant is not None:
+                raise ValueError(f"quantization: {self.quant.method} weights are not served with "
+                                 "tensor_parallel_size > 1 yet")
             if cfg.lora.enable_lora:
                 raise ValueError("enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 yet")
             if spec is not None and spec.model is not None:
@@ -335,7 +340,10 @@ class LLMEngine:
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
                 "kv_cache_size_tokens": str(self.kv.pool.num_blocks * cfg.block_size),
-                "num_cpu_blocks": str(self.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(self.kv.pool.num_blocks)}
+                "num_cpu_blocks": str(self.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(self.kv.pool.num_blocks),
+                # what the weights run as (vLLM keeps this in its model config; here beside the cache's)
+                "quantization": "none" if self.quant is None else self.quant.method,
+                "weight_bits": "none" if self.quant is None else str(self.quant.bits)}
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

@@ -1,7 +1,8 @@
 """Pier's compiled CPU kernels for the LLM engine, built on first use with torch's C++ extension tools.
 
-`csrc/paged_attention.cpp` (decode attention over the paged cache) and `csrc/layer_ops.cpp` (RMSNorm,
-SiLU * up, RoPE + K/V cache write) are compiled once per machine and torch version (about 15 s;
+`csrc/paged_attention.cpp` (decode attention over the paged cache), `csrc/layer_ops.cpp` (RMSNorm,
+SiLU * up, RoPE + K/V cache write) and `csrc/quant_linear.cpp` (projections on 4- and 8-bit packed
+weights, layers/quantized.py) are compiled once per machine and torch version (about 15 s;
 cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and loaded as the
 `torch.ops.pier_llm` namespace. Where no C++ compiler is present the build fails once, is logged,
 and the engine keeps the pure-torch path.
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "quant_linear.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

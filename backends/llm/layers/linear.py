@@ -17,16 +17,19 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from .quantized import PackedWeight
 
 
 class LinearMethod(Protocol):
     """How a `Linear` keeps and applies its weight."""
 
     def process(self, layer: Linear, weight: torch.Tensor) -> None:
-        """Store `weight` ([out, in], the checkpoint's layout, in the model dtype) in this method's form."""
+        """Store `weight` ([out, in], the checkpoint's layout, in the model dtype) in this method's form.
+        A method with `accepts_packed = True` may get a quantized `PackedWeight` instead."""
 
     def apply(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias); with `residual`, residual + x @ W^T (+ bias), written into `residual` in
@@ -156,7 +159,7 @@ class Linear:
         self.weight: torch.Tensor | None = None  # the method's stored form
         self.bias: torch.Tensor | None = None
         self.split: Split | None = None
-        self._parts: dict[tuple[str, int], torch.Tensor] = {}
+        self._parts: dict[tuple[str, int], Any] = {}
 
     def shard(self, split: Split) -> None:
         """Hold only this rank's share (`split`) from now on; before `load`. The layer's sizes become
@@ -174,9 +177,10 @@ class Linear:
     def output_size(self) -> int:
         return sum(self.output_sizes)
 
-    def load(self, index: int, weight: torch.Tensor, kind: str = "weight") -> None:
+    def load(self, index: int, weight: torch.Tensor | PackedWeight, kind: str = "weight") -> None:
         """Keep one output slice's checkpoint tensor (`kind` "weight" [out_i, in] or "bias" [out_i]);
-        sharded, only this rank's part of it (a copy: the checkpoint's tensor is not kept alive)."""
+        sharded, only this rank's part of it (a copy: the checkpoint's tensor is not kept alive). A
+        weight may come quantized (a `PackedWeight`, layers/quantized.py; not sharded yet)."""
         sp = self.split
         out = self.output_sizes[index] if sp is None or sp.row else sp.full[index]
         inp = self.input_size if sp is None or not sp.row else sp.full[0]
@@ -185,6 +189,8 @@ class Linear:
             raise ValueError(f"{self.name}: {kind} of slice {index} has shape {list(weight.shape)}, "
                              f"expected {list(expected)}")
         if sp is not None:
+            if isinstance(weight, PackedWeight):
+                raise ValueError(f"{self.name}: quantized checkpoints are not supported with tensor parallelism yet")
             if not sp.row:
                 weight = weight.narrow(0, *sp.parts[index]).clone()
             elif kind == "weight":
@@ -200,13 +206,20 @@ class Linear:
         """Join the loaded slices and store them (the method's `process`). Call once every part is in."""
         assert not self.missing(), f"{self.name}: parts missing {self.missing()}"
         n = len(self.output_sizes)
-        weight = torch.cat([self._parts[("weight", i)] for i in range(n)]) if n > 1 else self._parts[("weight", 0)]
+        parts = [self._parts[("weight", i)] for i in range(n)]
+        weight: Any
+        if isinstance(parts[0], PackedWeight):  # a quantized checkpoint's slices (layers/quantized.py)
+            weight = PackedWeight.join(parts)
+            if isinstance(weight, PackedWeight) and not getattr(self.method, "accepts_packed", False):
+                weight = weight.dequantize(self.dtype)  # a layer no quantized method was set on
+        else:
+            weight = (torch.cat(parts) if n > 1 else parts[0]).contiguous()
         if self.has_bias:
             self.bias = torch.cat([self._parts[("bias", i)] for i in range(n)]).contiguous()
         self._parts.clear()
         if self.split is not None and self.split.row and not self.split.first:
             self.bias = None  # a row-parallel bias is added once, by the first rank
-        self.method.process(self, weight.contiguous())
+        self.method.process(self, weight)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         sp = self.split

@@ -135,8 +135,11 @@ class RotaryEmbedding:
     def use_kernels(self) -> None:
         self.table = torch.view_as_real(self.freqs_cis).contiguous()
 
-    def interleave(self, w: torch.Tensor, heads: int) -> torch.Tensor:
-        """A q or k projection's rows (weight or bias) in the pair layout this embedding rotates."""
+    def interleave(self, w: Any, heads: int) -> Any:
+        """A q or k projection's rows (weight or bias, float or a quantized `PackedWeight`) in the pair
+        layout this embedding rotates."""
+        if not isinstance(w, torch.Tensor):  # PackedWeight: its q, scales and zeros rows alike
+            return w.map_rows(lambda t: interleave_rows(t, heads, self.head_dim, self.rotary_dim))
         return interleave_rows(w, heads, self.head_dim, self.rotary_dim)
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:

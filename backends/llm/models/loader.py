@@ -44,9 +44,16 @@ def iter_weights(folder: Path, progress: Callable[[LoadProgress], None] | None =
     if progress is not None:
         progress(LoadProgress(STAGE, 0, len(files), 0, total))
     for i, path in enumerate(files):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error type: a corrupt or truncated file
+            raise ValueError(f"weight file {path.name}: {exc}") from None
+        with handle as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:  # noqa: BLE001 - as above, for the tensor's bytes
+                    raise ValueError(f"weight file {path.name}, tensor {name}: {exc}") from None
                 done += tensor.nbytes
                 yield name, tensor
                 if progress is not None and time.monotonic() - last >= PROGRESS_INTERVAL_S:

@@ -16,9 +16,12 @@ import torch
 
 from pier.contract.backend import LoadProgress
 
+from .. import kernels
+from . import quantization
 from .hf_config import ArchConfig, read_config
 from .interface import CausalLM
 from .loader import iter_weights
+from .quantization import QuantConfig
 
 # architecture (config.json) -> (module under models/, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -51,6 +54,11 @@ def model_class(architecture: str) -> type[CausalLM]:
     return cast("type[CausalLM]", getattr(importlib.import_module(f"{__package__}.{module}"), name))
 
 
+def resolve_quantization(folder: Path, setting: str | None) -> QuantConfig | None:
+    """The weight quantization that runs for the checkpoint in `folder` under the `quantization` setting."""
+    return quantization.resolve(setting, read_config(folder))
+
+
 def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
     """The model class and its normalised config for the checkpoint in `folder`."""
     raw = read_config(folder)
@@ -63,11 +71,17 @@ def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
 
 def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, progress: Callable[[LoadProgress], None] | None = None,
-               prepare: Callable[[CausalLM], None] | None = None) -> CausalLM:
+               prepare: Callable[[CausalLM], None] | None = None, quant: QuantConfig | None = None) -> CausalLM:
     """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights');
-    `prepare` sees the model built, before its weights (a tensor-parallel rank's split, parallel/shard.py)."""
+    `prepare` sees the model built, before its weights (a tensor-parallel rank's split, parallel/shard.py);
+    with `quant`, its decoder projections are packed (models/quantization.py)."""
     model = cls(config, dtype, device, max_positions)
     if prepare is not None:
         prepare(model)
-    model.load_weights(iter_weights(folder, progress))
+    if quant is not None:
+        ops = kernels.load() if device.type == "cpu" else None
+        projections = quantization.apply(model, quant, ops)
+    model.load_weights(quantization.translate(iter_weights(folder, progress), quant))
+    if quant is not None:
+        quantization.log_summary(quant, model, projections)
     return model

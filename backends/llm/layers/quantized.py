@@ -1,0 +1,182 @@
+"""Weight-only quantized projections: `PackedWeight`, the one form every quantized format is brought to
+at load, and `PackedLinearMethod`, the `LinearMethod` (layers/linear.py) that keeps and multiplies it.
+
+W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = k // group, with 4- or 8-bit values q: online
+int8 (symmetric per output row: zeros 128 over q + 128), GPTQ, AWQ and compressed-tensors
+(models/quantization.py unpacks each into this) all fit it. On CPU with float32 activations the
+product reads the packed bytes directly (csrc/quant_linear.cpp: de-quantized in registers, each weight
+computed as the formula reads, so the result equals a float matmul on the de-quantized weights up to
+summation order), at every row count: de-quantize-then-matmul was slower from 1 to 512 rows, and
+the fused kernel beats the float weight below about 16 rows, where decoding is bound by memory
+(bench/results/quant_kernels.md). Elsewhere (CUDA, 16-bit activations, no compiler) the weight is
+de-quantized per call in torch: correct, not fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+
+def _chunk_layout(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [N, K] (K % 32 == 0) -> [N, K / 2] bytes: byte j of each 32-value chunk holds
+    value j in its low nibble and value 16 + j in its high one (what quant_linear.cpp reads)."""
+    n, k = values.shape
+    v = values.view(n, k // 32, 2, 16)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def _values(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_chunk_layout` for bits 4; the bytes themselves for 8."""
+    if bits == 8:
+        return q
+    n, half = q.shape
+    b = q.view(n, half // 16, 16)
+    return torch.stack([b & 0xF, b >> 4], dim=2).reshape(n, half * 2)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A quantized [N, K] weight: `q` uint8 in the kernel's layout ([N, K] for 8 bits, [N, K / 2] for
+    4), `scales` and `zeros` float32 [N, K / group]. `perm`: the input order the columns are stored
+    in (GPTQ's act-order: stored column j is input column perm[j]), None for the natural order."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group: int
+    input_size: int
+    perm: torch.Tensor | None = None
+
+    @classmethod
+    def from_values(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+                    perm: torch.Tensor | None = None) -> PackedWeight:
+        """From unpacked values [N, K] (0 .. 2^bits - 1, any integer dtype), scales and zeros [N, K / group]."""
+        n, k = values.shape
+        if bits not in (4, 8):
+            raise ValueError(f"{bits}-bit weights are not supported (4 or 8)")
+        step = 32 if bits == 4 else 16
+        if k % group or group % step:
+            raise ValueError(f"input width {k} and group size {group} must be multiples of {step} for "
+                             f"{bits}-bit weights (and the group must divide the width)")
+        if tuple(scales.shape) != (n, k // group) or tuple(zeros.shape) != (n, k // group):
+            raise ValueError(f"scales/zeros of shape {list(scales.shape)}/{list(zeros.shape)}, expected "
+                             f"{[n, k // group]}")
+        v = values.to(torch.uint8)
+        return cls(v.contiguous() if bits == 8 else _chunk_layout(v), scales.float().contiguous(),
+                   zeros.float().contiguous(), bits, group, k, perm)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.input_size)
+
+    def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> PackedWeight:
+        """On `device` (the dtype stays: the scales are float32 whatever the model's dtype)."""
+        if device is None:
+            return self
+        return replace(self, q=self.q.to(device), scales=self.scales.to(device), zeros=self.zeros.to(device),
+                       perm=None if self.perm is None else self.perm.to(device))
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
+        """The same weight with its output rows reordered or selected by `fn` (a row-wise function
+        of a [N, ...] tensor, such as RoPE's pair layout)."""
+        return replace(self, q=fn(self.q), scales=fn(self.scales), zeros=fn(self.zeros))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] in the natural input order."""
+        idx = torch.arange(self.input_size, device=self.q.device) // self.group
+        w = (_values(self.q, self.bits).float() - self.zeros[:, idx]) * self.scales[:, idx]
+        if self.perm is not None:
+            natural = torch.empty_like(w)
+            natural[:, self.perm] = w
+            w = natural
+        return w.to(dtype)
+
+    @staticmethod
+    def join(parts: Sequence[PackedWeight]) -> PackedWeight | torch.Tensor:
+        """Output slices stacked (q, k, v or gate, up); where they disagree on bits, group or input
+        order, the de-quantized float weight (still correct; the method stores it as floats)."""
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        same = all(p.bits == first.bits and p.group == first.group and
+                   ((p.perm is None and first.perm is None) or
+                    (p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm)))
+                   for p in parts)
+        if not same:
+            return torch.cat([p.dequantize() for p in parts])
+        return replace(first, q=torch.cat([p.q for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                       zeros=torch.cat([p.zeros for p in parts]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+
+def quantize_int8(weight: torch.Tensor) -> PackedWeight:
+    """Online weight-only int8 (issue 34's scheme): per output row, scale = max |w| / 127, q = round(w /
+    scale) clamped to +-127. Stored as q + 128 over zeros of 128 (one unsigned form for every format).
+    A row of zeros keeps scale 0 (q 0)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.clamp(torch.round(w / torch.where(scale == 0, 1.0, scale)[:, None]), -127, 127)
+    n, k = w.shape
+    return PackedWeight.from_values((q + 128).to(torch.uint8), scale[:, None], torch.full((n, 1), 128.0), 8, k)
+
+
+def dequantize_int8_reference(weight: torch.Tensor) -> torch.Tensor:
+    """What `quantize_int8` stores, as floats: the weights a reference model runs (tests, benchmarks)."""
+    return quantize_int8(weight).dequantize(weight.dtype)
+
+
+class PackedLinearMethod:
+    """Keeps a `PackedWeight` and multiplies by it. `online`: a float checkpoint weight is quantized
+    to int8 here (`quantization: "int8"`); otherwise a float weight (a layer the checkpoint left
+    unquantized) is kept as floats and multiplied as such."""
+
+    accepts_packed = True
+
+    def __init__(self, online: bool, ops: Any | None) -> None:
+        self.online = online
+        self.ops = ops  # torch.ops.pier_llm (quant_linear), or None: torch only
+        self.float_weight: torch.Tensor | None = None  # [in, out], for a layer left in float
+
+    def process(self, layer: Any, weight: Any) -> None:
+        if isinstance(weight, torch.Tensor) and self.online:
+            weight = quantize_int8(weight)
+        if isinstance(weight, torch.Tensor):
+            self.float_weight = weight.to(layer.dtype).t().contiguous()
+            layer.weight = None
+            return
+        layer.weight = weight  # type: ignore[assignment]  # the method's stored form
+
+    def packed(self, layer: Any) -> PackedWeight | None:
+        return layer.weight if isinstance(layer.weight, PackedWeight) else None  # type: ignore[unreachable]
+
+    def apply(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        p = self.packed(layer)
+        if p is None:
+            assert self.float_weight is not None, f"{layer.name}: not loaded"
+            out = torch.mm(x, self.float_weight)
+        else:
+            if p.perm is not None:
+                x = x.index_select(1, p.perm)
+            out = self._matmul(p, x)
+        if layer.bias is not None:
+            out.add_(layer.bias)
+        if residual is not None:
+            return residual.add_(out)
+        return out
+
+    def _matmul(self, p: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            out = torch.empty((x.shape[0], p.q.shape[0]), dtype=torch.float32)
+            self.ops.quant_linear(out, x.contiguous(), p.q, p.scales, p.zeros, p.bits, p.group)
+            return out
+        idx = torch.arange(p.input_size, device=p.q.device) // p.group
+        w = (_values(p.q, p.bits).to(x.dtype) - p.zeros[:, idx].to(x.dtype)) * p.scales[:, idx].to(x.dtype)
+        return torch.mm(x, w.t())
