@@ -8,12 +8,13 @@ block_size]`. A token's slot is `block_id * block_size + offset`.
 The flattened batch of one step is ordered: decode tokens first (one per sequence, grouped by
 context length so that padding stays small), then prefill chunks (several tokens per sequence).
 Each layer first writes every new token's K/V into its slot, then attends. On CPU in float32 the
-decode tokens go to the compiled kernel (`csrc/paged_attention.cpp`), which reads each sequence's
-blocks in place; elsewhere (CUDA, other dtypes, no compiler) a decode group gathers its sequences'
-blocks into a reused workspace (one `index_select`, no allocation) and runs one batched SDPA. A
-prefill chunk without a cached prefix attends over its own new K/V (causal), and one with a prefix
-(prefix cache hit, or a later chunk of a chunked prefill) gathers its blocks and uses a causal mask
-shifted by the prefix length.
+decode tokens, and each token of a prefill chunk of up to 64 tokens as a query of its own over its
+context (model_runner._KERNEL_PREFILL), go to the compiled kernel (`csrc/paged_attention.cpp`),
+which reads each sequence's blocks in place; elsewhere (CUDA, other dtypes, no compiler) a decode
+group gathers its sequences' blocks into a reused workspace (one `index_select`, no allocation) and
+runs one batched SDPA. Another prefill chunk without a cached prefix attends over its own new K/V
+(causal), and one with a prefix (prefix cache hit, or a later chunk of a chunked prefill) gathers
+its blocks and uses a causal mask shifted by the prefix length.
 
 Two options of a layer's attention (`paged_attention`'s `window` and `softcap`): a sliding window
 (a query attends to the last `window` positions only, itself included, as transformers' masks) and

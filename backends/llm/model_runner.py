@@ -25,6 +25,10 @@ from .spec_draft import Drafter
 # group's shortest one: bounds padding waste while keeping the number of SDPA calls small.
 _GROUP_GROWTH = 1.25
 _MIN_GROUP = 4
+# With the compiled decode kernel, a prefill chunk of at most this many tokens attends through it too,
+# one query per token (its context up to itself): no per-chunk gather and SDPA call in every layer.
+# Longer chunks keep SDPA, whose tiles reuse K/V across queries.
+_KERNEL_PREFILL = 64
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -159,11 +163,15 @@ class ModelRunner:
             if s.sample:
                 sampling.append((len(ids) - 1, s))
         dev = self.model.device
-        if self.decode_op is not None and decodes:
-            groups: list[DecodeGroup] = []
-            decode = self._decode_batch(decodes, dev)
+        # (block table, context length) of each row the kernel attends: the decodes, then short prefills' tokens
+        kernel_rows: list[tuple[list[int], int]] = []
+        groups: list[DecodeGroup] = []
+        if self.decode_op is not None:
+            kernel_rows = [(s.block_table, s.start_pos + 1) for s in decodes]
+            short = [s for s in prefills if len(s.token_ids) <= _KERNEL_PREFILL]
+            prefills = short + [s for s in prefills if len(s.token_ids) > _KERNEL_PREFILL]
         else:
-            groups, decode = self._decode_groups(decodes, dev), None
+            groups = self._decode_groups(decodes, dev)
         chunks: list[PrefillChunk] = []
         for s in prefills:
             n = len(s.token_ids)
@@ -175,7 +183,9 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if s.start_pos:
+            if self.decode_op is not None and n <= _KERNEL_PREFILL:
+                kernel_rows.extend((table, p + 1) for p in pos)
+            elif s.start_pos:
                 nb = -(-(s.start_pos + n) // bs)
                 chunks.append(PrefillChunk(start, n, s.start_pos, torch.tensor(table[:nb], device=dev),
                                            prefix_causal_mask(s.start_pos, n, dev)))
@@ -183,6 +193,7 @@ class ModelRunner:
                 chunks.append(PrefillChunk(start, n, 0, None, None))
             if s.sample:  # the row of the last known token (drafts follow it)
                 sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
+        decode = self._decode_batch(kernel_rows, dev) if kernel_rows else None
         meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
         if self.lora is not None and model in (None, self.model):  # each row's adapter, in the rows' order
@@ -208,14 +219,13 @@ class ModelRunner:
             top = [dict(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
         return PromptLogprobs(first, values, top)
 
-    def _decode_batch(self, decodes: list[ScheduledSeq], dev: torch.device) -> DecodeBatch:
-        """Block tables (padded with block 0) and context lengths of every decode, for the kernel."""
+    def _decode_batch(self, rows: list[tuple[list[int], int]], dev: torch.device) -> DecodeBatch:
+        """Block tables (padded with block 0) and context lengths of the kernel's rows (one query each)."""
         assert self.decode_op is not None
-        width = max(len(s.block_table) for s in decodes)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-        return DecodeBatch(len(decodes), torch.tensor(tables, dtype=torch.int32, device=dev),
-                           torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.int32, device=dev),
-                           self.decode_op)
+        width = max(len(table) for table, _ in rows)
+        tables = [table + [0] * (width - len(table)) for table, _ in rows]
+        return DecodeBatch(len(rows), torch.tensor(tables, dtype=torch.int32, device=dev),
+                           torch.tensor([ctx for _, ctx in rows], dtype=torch.int32, device=dev), self.decode_op)
 
     def _decode_groups(self, decodes: list[ScheduledSeq], dev: torch.device) -> list[DecodeGroup]:
         """Split the length-sorted decodes into a few groups, each padded to its longest context."""
