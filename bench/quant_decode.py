@@ -71,11 +71,9 @@ def main() -> None:
         for batch in (1, 16):
             for name, eng in engines.items():
                 rates.setdefault(str(batch), {}).setdefault(name, []).append(decode_rate(eng, batch, args.tokens))
-    weights = {name: sum(t.nbytes for layer in eng.model.layers for lin in layer.linears  # type: ignore[attr-defined]
-                         for t in ([lin.weight] if isinstance(lin.weight, torch.Tensor) else
-                                   [getattr(lin.weight, "q"), getattr(lin.weight, "scales"),
-                                    getattr(lin.weight, "zeros")]) if t is not None) / 2**20
-               for name, eng in engines.items()}
+    weights = {name: sum(lin.weight.nbytes for layer in eng.model.layers  # type: ignore[attr-defined]
+                         for lin in layer.linears if lin.weight is not None) / 2**20
+               for name, eng in engines.items()}  # PackedWeight.nbytes: q, scales and zeros
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quant_decode.json").write_text(json.dumps({"size": SIZE, "rounds": args.rounds, "tokens": args.tokens,
                                                            "tokens_per_s": rates, "projection_mib": weights},
