@@ -47,6 +47,7 @@ LOG=/tmp/pier_gpu_check.log
 "$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py tests/backends/test_tensorrt.py \
     "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" \
     "tests/backends/llm/test_engine_greedy.py::test_cuda_matches_transformers_on_cuda" \
+    "tests/backends/llm/test_tensor_parallel.py::test_nccl_two_gpus_equal_one" \
     tests/backends/llm/test_engine_core.py > "$LOG" 2>&1
 # The engine builder's command line too (the tests call the same build_engine function).
 PLAN=/tmp/pier_gpu_check_mlp.plan
@@ -67,6 +68,17 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     fi
 else
     echo "SKIPPED bench/text_embedding_gpu.py: torch sees no CUDA device" >> "$LOG"
+fi
+# Tensor parallelism, 1 vs 2 ranks (issue 35): NCCL, one rank per GPU; needs two GPUs.
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null; then
+    if timeout 600 "$PY" -m bench.tensor_parallel --device cuda --out /tmp/tensor_parallel-gpu >> "$LOG" 2>&1; then
+        echo "PASSED bench/tensor_parallel.py --device cuda -> /tmp/tensor_parallel-gpu.md" >> "$LOG"
+        [ -n "${OUT:-}" ] && cp /tmp/tensor_parallel-gpu.* "$OUT"/ 2>/dev/null
+    else
+        echo "FAILED bench/tensor_parallel.py --device cuda" >> "$LOG"
+    fi
+else
+    echo "SKIPPED bench/tensor_parallel.py --device cuda: needs 2 CUDA devices (NCCL, one rank per GPU)" >> "$LOG"
 fi
 # Frontend processes on the machine's cores (issue 22): identity_fp32, Pier with 0/1/2/4 frontend
 # processes (vs Triton where PIER_REFERENCE_TOOLS has it), perf_analyzer where it is installed.

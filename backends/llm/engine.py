@@ -84,10 +84,16 @@ def _dtypes(name: str, device: torch.device, folder: Path) -> tuple[torch.dtype,
     return DTYPES[name], None
 
 
-def _device(cfg: ParallelConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+def _device(cfg: ParallelConfig, rank: int = 0) -> torch.device:
+    """The configured device; under tensor parallelism on CUDA, rank r's is `cuda:r` (one GPU per rank)."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    n = cfg.tensor_parallel_size
+    if device.type != "cuda" or n == 1:
+        return device
+    if torch.cuda.device_count() < n:
+        raise ValueError(f"tensor_parallel_size {n} needs {n} CUDA devices (one per rank), this machine has "
+                         f"{torch.cuda.device_count()}")
+    return torch.device("cuda", rank)
 
 
 def _kv_budget(cfg: CacheConfig, device: torch.device) -> int:

@@ -39,6 +39,8 @@ class ParallelGroup:
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         if self.backend == "gloo" and store is not None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the store is on loopback: so are the ranks
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
         if store is None:
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=timeout)
         else:

@@ -42,7 +42,7 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         settings["model_path"] = folder
         cfg = EngineConfig(**settings)
         model_cls, mc = registry.resolve(folder)
-        device = _device(cfg.parallel)
+        device = _device(cfg.parallel, init.rank)
         group = ParallelGroup(init.rank, init.size, device)
         runner = build_runner(folder, cfg, model_cls, mc, device, init.max_model_len, tuple(init.eos_ids), None,
                               group)

@@ -5,14 +5,17 @@ travels; a model whose heads do not divide fails with the reason."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from pier.backends.llm.config import EngineConfig
 from pier.backends.llm.engine import LLMEngine
 from pier.backends.llm.parallel.delta import Receiver, Shipper
+from pier.backends.llm.parallel.shm_allreduce import SHM, remove_stale
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
@@ -98,12 +101,47 @@ def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir):
         specs = two.model.kv_cache_specs()  # each rank holds its share of the KV heads (or the one it reads)
         assert specs[0].num_kv_heads == max(one.model.kv_cache_specs()[0].num_kv_heads // 2, 1)
         assert two.kv.pool.num_blocks == BLOCKS
+        assert not list(SHM.glob(f"pier-tp-*-{os.getpid()}"))  # the segment's name went once both ranks mapped it
         two.kv.check()
         assert two.kv.pool.num_free == two.kv.pool.num_blocks
     finally:
         two.close()
     assert [t for t, _, _ in ref] == hf_greedy(folder, prompts, TOKENS) * 2
     _close(ref, got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices (NCCL, one rank per GPU): scripts/gpu_check.sh runs it on a GPU box")
+def test_nccl_two_gpus_equal_one(llama_dir):
+    prompts = _prompts()
+    one = LLMEngine(llama_dir, EngineConfig(device="cuda", kv_cache_memory_bytes=_kv_bytes(llama_dir, 1), **SMALL))
+    ref = _run(one, prompts)
+    two = LLMEngine(llama_dir, EngineConfig(device="cuda", tensor_parallel_size=2,  # type: ignore[arg-type]
+                                            kv_cache_memory_bytes=_kv_bytes(llama_dir, 2), **SMALL))
+    try:
+        assert two.executor is not None and two.executor.group.backend == "nccl"
+        got = _run(two, prompts)
+    finally:
+        two.close()
+    _close(ref, got)
+
+
+def test_stale_segments_removed():
+    """A segment whose engine process died before it removed the name goes at the next start; a live
+    one stays."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale, live = SHM / f"pier-tp-{os.getpid()}-{gone.pid}", SHM / f"pier-tp-{os.getpid()}-{os.getpid()}"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    try:
+        remove_stale()
+        assert not stale.exists() and live.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)
 
 
 def test_heads_that_do_not_divide(llama_dir):
