@@ -16,6 +16,11 @@ runs one batched SDPA. Another prefill chunk without a cached prefix attends ove
 (causal), and one with a prefix (prefix cache hit, or a later chunk of a chunked prefill) gathers
 its blocks and uses a causal mask shifted by the prefix length.
 
+An FP8 cache (kv_fp8.py) holds K / k_scale and V / v_scale in float8 tensors (the layer's
+`LayerKV.scales`): `write_kv` quantizes, the gathers decode after `index_select`, and the compiled
+kernel reads the FP8 blocks itself. A prefill chunk without a cached prefix attends over its own
+new K/V at full precision (they are at hand), as vLLM's does.
+
 Two options of a layer's attention (`paged_attention`'s `window` and `softcap`): a sliding window
 (a query attends to the last `window` positions only, itself included, as transformers' masks) and
 Gemma 2's soft-capped scores (cap * tanh(s / cap) before the mask and the softmax; SDPA has no such
@@ -29,6 +34,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .kv_fp8 import KVScales, dequantize, quantize
+
+
+class LayerKV(tuple[torch.Tensor, torch.Tensor]):
+    """One layer's (k_cache, v_cache), unpacked as the pair; `scales` are the FP8 cache's K/V
+    scales (None: the cache is in the model's dtype). The runner builds these; models pass them on."""
+
+    scales: KVScales | None
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, scales: KVScales | None = None) -> LayerKV:
+        self = super().__new__(cls, (k, v))
+        self.scales = scales
+        return self
 
 
 @dataclass
@@ -96,11 +115,17 @@ class Workspace:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+    scales: KVScales | None = None,
 ) -> None:
-    """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots (torch path's layout)."""
+    """Store the new tokens' K/V ([N, kv_heads, head_dim]) into their slots (torch path's layout);
+    with `scales`, quantized into the FP8 cache (the clamped values counted in `scales.clamped`)."""
     assert not meta.k_transposed, "the block-transposed K cache is written by the fused RoPE op"
     kvh, hd = v_cache.shape[0], v_cache.shape[3]
+    if scales is not None:  # index_copy_ has no float8 kernel: the bytes go through a uint8 view
+        (k, ck), (v, cv) = quantize(k, scales.k, k_cache.dtype), quantize(v, scales.v, v_cache.dtype)
+        scales.clamped += ck + cv
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
@@ -116,13 +141,15 @@ def paged_attention(
     workspace: Workspace,
     window: int = 0,
     softcap: float = 0.0,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention for a whole step. q: [N, heads, hd]; k, v: [N, kv_heads, hd] (new tokens only).
 
     Returns [N, heads * hd]. The caller has already stored k, v in the cache (`write_kv`, or the
     fused RoPE + write op), so a sequence may read blocks another sequence of the same step
     writes (a prefix-cache hit on blocks computed this step). `window` > 0: each query sees the
-    last `window` positions only; `softcap` > 0: scores capped at +-softcap (tanh).
+    last `window` positions only; `softcap` > 0: scores capped at +-softcap (tanh); `scales`: the
+    caches are FP8 (kv_fp8.py).
     """
     n, heads, hd = q.shape
     kvh = k.shape[1]
@@ -132,17 +159,17 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         o = torch.empty(d.num_seqs, heads * hd, dtype=q.dtype, device=q.device)
-        if window or softcap:
+        if scales is not None:
+            d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale, softcap, window,
+                 scales.k, scales.v)
+        elif window or softcap:
             d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale, softcap, window)
         else:
             d.op(o, q[: d.num_seqs], k_cache, v_cache, d.block_tables, d.context_lens, scale)
         outs.append(o)
     for g in meta.decode_groups:
         b, nb = g.num_seqs, g.num_blocks
-        kb = workspace.get(0, (kvh, b * nb, bs, hd), q)
-        vb = workspace.get(1, (kvh, b * nb, bs, hd), q)
-        torch.index_select(k_cache, 1, g.block_ids, out=kb)
-        torch.index_select(v_cache, 1, g.block_ids, out=vb)
+        kb, vb = _gather(k_cache, v_cache, g.block_ids, q, workspace, scales)
         keys = kb.view(kvh, b, nb * bs, hd).transpose(0, 1)
         values = vb.view(kvh, b, nb * bs, hd).transpose(0, 1)
         mask = g.mask
@@ -167,10 +194,7 @@ def paged_attention(
             assert p.block_ids is not None
             ctx = p.num_cached + p.num_tokens
             nb = p.block_ids.numel()
-            kb = workspace.get(0, (kvh, nb, *k_cache.shape[2:]), q)
-            vb = workspace.get(1, (kvh, nb, bs, hd), q)
-            torch.index_select(k_cache, 1, p.block_ids, out=kb)
-            torch.index_select(v_cache, 1, p.block_ids, out=vb)
+            kb, vb = _gather(k_cache, v_cache, p.block_ids, q, workspace, scales)
             if meta.k_transposed:
                 kb = kb.transpose(2, 3)
             keys = kb.reshape(kvh, nb * bs, hd)[:, :ctx].unsqueeze(0)
@@ -180,6 +204,22 @@ def paged_attention(
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs, dim=0)
+
+
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, q: torch.Tensor,
+            workspace: Workspace, scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks `block_ids` of both caches, [kv_heads, len(block_ids), ...] in q's dtype."""
+    shape_k = (k_cache.shape[0], block_ids.numel(), *k_cache.shape[2:])
+    shape_v = (v_cache.shape[0], block_ids.numel(), *v_cache.shape[2:])
+    if scales is None:
+        kb, vb = workspace.get(0, shape_k, q), workspace.get(1, shape_v, q)
+        torch.index_select(k_cache, 1, block_ids, out=kb)
+        torch.index_select(v_cache, 1, block_ids, out=vb)
+        return kb, vb
+    kb, vb = workspace.get(2, shape_k, k_cache), workspace.get(3, shape_v, v_cache)
+    torch.index_select(k_cache, 1, block_ids, out=kb)
+    torch.index_select(v_cache, 1, block_ids, out=vb)
+    return dequantize(kb, scales.k, q.dtype), dequantize(vb, scales.v, q.dtype)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,

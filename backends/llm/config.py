@@ -23,8 +23,7 @@ from .spec_decode import SpeculativeConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
-# vLLM's kv_cache_dtype values; only "auto" (the model's dtype) is implemented: an FP8 cache (issue 34,
-# part 3) is refused at load rather than silently served in full precision
+# vLLM's kv_cache_dtype values: "auto" (the model's dtype), or an FP8 cache (kv_fp8.py; "fp8" = E4M3)
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANTIZATION = ("int8", "gptq", "awq", "compressed-tensors")  # models/quantization.METHODS
 
@@ -85,9 +84,6 @@ class CacheConfig:
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: an FP8 KV cache is not implemented in this "
-                             "engine yet; use 'auto' (the KV cache in the model's dtype)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -18,7 +18,7 @@ import torch
 
 from pier.contract.backend import LoadProgress
 
-from . import kernels
+from . import kernels, kv_fp8
 from .config import CacheConfig, EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
@@ -117,14 +117,20 @@ def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc:
     prepare = None if group is None else (lambda m: shard.shard_model(m, group))
     quant = registry.resolve_quantization(folder, model.quantization)
     draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
+    found_scales: dict[int, dict[str, float]] = {}  # the checkpoint's KV cache scales (kv_fp8.py)
     with gemm_dtype(gemm):
-        lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare, quant)
+        lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare, quant,
+                                 found_scales)
         if spec is not None and spec.model is not None:
             dfolder = draft_folder(spec.model, folder)
             check_tokenizers(folder, dfolder)
             draft_cls, draft_mc = registry.resolve(dfolder)
             draft = registry.load_model(dfolder, draft_cls, draft_mc, dtype, device, max_model_len + 1, progress)
-    per_block = sum(kv_bytes_per_block(m, cache.block_size) for m in (lm, draft) if m is not None)
+    kv_dtype = kv_fp8.cache_dtype(cache.kv_cache_dtype)  # None: the model's dtype
+    kv_scales = None if kv_dtype is None else kv_fp8.layer_scales(len(lm.kv_cache_specs()), found_scales)
+    # an FP8 cache is the served model's; a draft model keeps its caches in the model's dtype
+    per_block = kv_bytes_per_block(lm, cache.block_size, kv_dtype) + (
+        0 if draft is None else kv_bytes_per_block(draft, cache.block_size))
     num_blocks = _kv_budget(cache, device) // per_block
     num_cpu = cache.swap_space_bytes // per_block if cfg.scheduler.preemption_mode == "swap" else 0
     ops = None
@@ -139,7 +145,7 @@ def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc:
             if m is not None:
                 m.use_kernels(ops)
     return ModelRunner(lm, cache.block_size, num_blocks, num_cpu, eos_ids,
-                       None if ops is None else ops.paged_decode_attention, draft)
+                       None if ops is None else ops.paged_decode_attention, draft, kv_dtype, kv_scales)
 
 
 class LLMEngine:
@@ -362,6 +368,7 @@ class LLMEngine:
             num_blocks=self.kv.pool.num_blocks, peak_blocks_used=self._peak_blocks,
             spec_decode=None if self.config.scheduler.speculative_config is None else self.runner.spec_stats.copy(),
             lora_running=running, lora_waiting=waiting,
+            kv_cache_fp8_clamped=None if self.runner.kv_scales is None else self.runner.kv_clamped,
         )
 
     def _lora_stats(self) -> tuple[list[str], list[str]]:

@@ -165,6 +165,10 @@ class LLMMetrics:
             name = "vllm:spec_decode_num_accepted_tokens_per_pos"
             family(name, "counter", "Accepted tokens per draft position.",
                    [f'{name}_total{{{labels},position="{i}"}} {v}\n' for i, v in enumerate(sd.accepted_per_pos)])
+        if s.kv_cache_fp8_clamped is not None:  # Pier's own: an FP8 KV cache's clamped values (kv_fp8.py)
+            name = "pier_llm_kv_cache_fp8_clamped_values"
+            family(name, "counter", "K/V values clamped to the FP8 KV cache's range when stored (a scale too small).",
+                   [f'{name}_total{{model="{model}"}} {s.kv_cache_fp8_clamped}\n'])
         family("vllm:request_success", "counter", "Count of successfully processed requests.",
                [f'vllm:request_success_total{{{labels},finished_reason="finished"}} {self.requests_ok}\n',
                 f'vllm:request_success_total{{{labels},finished_reason="abort"}} {self.requests_aborted}\n'])

@@ -8,11 +8,14 @@ Never touches queues, grammars or text.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
 
-from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillChunk, prefix_causal_mask
+from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, LayerKV, PrefillChunk, prefix_causal_mask
+from .kv_fp8 import KVScales
 from .layers.lora import LoRABatch
 from .models.interface import CausalLM, KVCacheSpec
 from .outputs import ModelRunnerOutput, PromptLogprobs
@@ -30,10 +33,18 @@ _MIN_GROUP = 4
 # Longer chunks keep SDPA, whose tiles reuse K/V across queries.
 _KERNEL_PREFILL = 64
 
+log = logging.getLogger(__name__)
 
-def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
+
+def kv_cache_specs(model: CausalLM, kv_dtype: torch.dtype | None = None) -> list[KVCacheSpec]:
+    """The model's per-layer KV specs, in `kv_dtype` when the cache is not in the model's dtype (FP8)."""
+    specs = model.kv_cache_specs()
+    return specs if kv_dtype is None else [dataclasses.replace(s, dtype=kv_dtype) for s in specs]
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
     """What one block (block_size tokens) takes in every layer's K and V caches."""
-    return sum(spec.bytes_per_block(block_size) for spec in model.kv_cache_specs())
+    return sum(spec.bytes_per_block(block_size) for spec in kv_cache_specs(model, kv_dtype))
 
 
 class ModelRunner:
@@ -41,9 +52,11 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int, num_cpu_blocks: int,
                  eos_ids: tuple[int, ...], decode_op: Callable[..., None] | None = None,
-                 draft: CausalLM | None = None) -> None:
+                 draft: CausalLM | None = None, kv_dtype: torch.dtype | None = None,
+                 kv_scales: list[KVScales] | None = None) -> None:
         """`draft`: speculative decoding's draft model (spec_draft.py), with KV caches of its own
-        under the same block ids."""
+        under the same block ids (in the model's dtype); `kv_dtype`: an FP8 cache's dtype (None: the
+        model's), with one `kv_scales` entry per layer."""
         self.model = model
         # the LoRA layers' row mapping (layers/lora.py; the engine sets it with LoRA on): set here each
         # step from the sequences' adapter ids
@@ -54,8 +67,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.spec_stats = SpecDecodeStats()
-        specs = model.kv_cache_specs()
-        self.kv_caches = [self._cache(s, num_blocks, model.device) for s in specs]
+        specs = kv_cache_specs(model, kv_dtype)
+        self.kv_scales = kv_scales if kv_dtype is not None else None
+        self._scales_logged = False
+        self.kv_caches = [LayerKV(*self._cache(s, num_blocks, model.device), None if kv_scales is None else sc)
+                          for s, sc in zip(specs, kv_scales or [None] * len(specs))]  # type: ignore[list-item]
         self.drafter = None
         if draft is not None:
             self.drafter = Drafter(draft, [self._cache(s, num_blocks, model.device) for s in draft.kv_cache_specs()],
@@ -199,8 +215,30 @@ class ModelRunner:
         if self.lora is not None and model in (None, self.model):  # each row's adapter, in the rows' order
             self.lora.set([s.lora_id for s in decodes] + [s.lora_id for s in prefills for _ in s.token_ids], dev)
         hidden = (model or self.model).forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                               self.kv_caches if kv_caches is None else kv_caches, meta)
+                                               self.kv_caches if kv_caches is None else kv_caches,  # type: ignore[arg-type]
+                                               meta)
+        if self.kv_scales is not None and not self._scales_logged:
+            self._log_scales()
         return hidden, sampling, lp_rows
+
+    def _log_scales(self) -> None:
+        """Say once which K/V scales the FP8 cache runs with (derived ones after the first prefill)."""
+        assert self.kv_scales is not None
+        if not all(s.ready for s in self.kv_scales):
+            return
+        self._scales_logged = True
+        for source in ("checkpoint", "derived"):
+            picked = [(i, s) for i, s in enumerate(self.kv_scales) if s.source == source]
+            if picked:
+                log.info("FP8 KV cache: %d layers' scales %s (k_scale, v_scale): %s", len(picked),
+                         "from the checkpoint" if source == "checkpoint" else
+                         "derived from the first prefill (its largest |K|, |V| x 4 headroom; vLLM would use 1.0)",
+                         ", ".join(f"{i}: {s.k:.4g}, {s.v:.4g}" for i, s in picked))
+
+    @property
+    def kv_clamped(self) -> int:
+        """Values clamped to the FP8 format's range when stored, over every layer (0 without FP8)."""
+        return sum(s.clamped for s in self.kv_scales or ())
 
     def _prompt_logprobs(self, s: ScheduledSeq, hidden: torch.Tensor) -> PromptLogprobs:
         """Row r of a prompt chunk predicts the token at position start_pos + r + 1: its logprob
@@ -257,24 +295,30 @@ class ModelRunner:
         return groups
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
-        """The scheduler's block moves, in every KV cache (the draft model's too)."""
+        """The scheduler's block moves, in every KV cache (the draft model's too), on raw bytes (an FP8
+        cache's float8 has no index_copy kernel)."""
         dev = self.model.device
         caches = self.kv_caches if self.drafter is None else [*self.kv_caches, *self.drafter.caches]
         if so.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=dev)
             dst = torch.tensor([c for _, c in so.blocks_to_swap_out])
-            for (k, v), (ck, cv) in zip(caches, self.cpu_caches):
+            for (k, v), (ck, cv) in zip(_raw(caches), _raw(self.cpu_caches)):
                 ck[:, dst] = k[:, src].cpu()
                 cv[:, dst] = v[:, src].cpu()
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=dev)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=dev)
-            for k, v in caches:
+            for k, v in _raw(caches):
                 k[:, dst] = k[:, src]
                 v[:, dst] = v[:, src]
         if so.blocks_to_swap_in:
             src = torch.tensor([c for c, _ in so.blocks_to_swap_in])
             dst = torch.tensor([d for _, d in so.blocks_to_swap_in], device=dev)
-            for (k, v), (ck, cv) in zip(caches, self.cpu_caches):
+            for (k, v), (ck, cv) in zip(_raw(caches), _raw(self.cpu_caches)):
                 k[:, dst] = ck[:, src].to(dev)
                 v[:, dst] = cv[:, src].to(dev)
+
+
+def _raw(caches: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each cache's bytes (a block is a slice of dim 1 in any dtype; float8 has no index_copy kernel)."""
+    return [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in caches]

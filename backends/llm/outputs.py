@@ -91,4 +91,5 @@ class EngineStats:
     # vllm:lora_requests_info: the adapters of the running and of the waiting requests (names, sorted)
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
+    kv_cache_fp8_clamped: int | None = None  # pier_llm_kv_cache_fp8_clamped_values_total (None: no FP8 cache)
     extra: dict[str, float] = field(default_factory=dict)

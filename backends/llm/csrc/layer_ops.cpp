@@ -10,7 +10,10 @@
 //                                        rotates q and k in place inside the fused qkv rows
 //                                        (channels stored as interleaved pairs, see llama.py),
 //                                        then stores k and v at their cache slots (K
-//                                        block-transposed, as paged_attention.cpp reads it)
+//                                        block-transposed, as paged_attention.cpp reads it);
+//                                        with an FP8 cache (pier_fp8.h) k / k_scale and
+//                                        v / v_scale are stored, and the values clamped to
+//                                        the format's range are counted and returned
 //
 // Numerics follow Hugging Face's float32 code: RMSNorm scales by the reciprocal root before the
 // weight; RoPE is (x0 c - x1 s, x0 s + x1 c). Rows are split over ATen's threads when a step has
@@ -22,10 +25,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "pier_fp8.h"
 #include "pier_vec.h"
 
 namespace {
@@ -129,12 +134,17 @@ PIER_CLONES void rope_rows(float* __restrict qkv, const float* __restrict rope, 
   }
 }
 
-void rope_write_kv(at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+int64_t rope_write_kv(at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads, double k_scale,
+                      double v_scale) {
   check_float_cpu(qkv, "qkv");
   check_float_cpu(rope, "rope");
-  check_float_cpu(k_cache, "k_cache");
-  check_float_cpu(v_cache, "v_cache");
+  const at::ScalarType kind = k_cache.scalar_type();
+  const bool fp8 = is_fp8(kind);
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && v_cache.scalar_type() == kind &&
+                  (kind == at::kFloat || fp8),
+              "rope_write_kv: k_cache and v_cache must be CPU tensors, both float32 or both of one FP8 format");
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "rope_write_kv: k_scale and v_scale must be positive");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
                   slots.is_contiguous(),
               "rope_write_kv: positions and slots must be contiguous int64");
@@ -160,8 +170,12 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& po
   }
   float* x = qkv.data_ptr<float>();
   const float* cs = rope.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const float kinv = static_cast<float>(1.0 / k_scale), vinv = static_cast<float>(1.0 / v_scale);
+  const float fmax = fp8 ? fp8_max(kind) : 0.0f;
+  const bool e4m3 = kind == at::kFloat8_e4m3fn;
+  std::atomic<int64_t> clamped{0};
   const int64_t row_stride = qkv.stride(0);
   const int rot_heads = static_cast<int>(heads + kv_heads);
   const int64_t head_slice = num_blocks * bs * hd;
@@ -171,13 +185,26 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& po
       const int64_t blk = slot[r] / bs, off = slot[r] % bs;
       const float* k = x + r * row_stride + heads * hd;
       const float* v = k + kv_heads * hd;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        float* kdst = kc + h * head_slice + blk * hd * bs + off;  // [head_dim, block_size] block
-        for (int d = 0; d < hd; ++d) kdst[d * bs] = k[h * hd + d];
-        std::memcpy(vc + h * head_slice + (blk * bs + off) * hd, v + h * hd, sizeof(float) * hd);
+      const int64_t kpos = blk * hd * bs + off, vpos = (blk * bs + off) * hd;  // K: [head_dim, block_size] block
+      if (!fp8) {
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          float* kdst = reinterpret_cast<float*>(kc) + h * head_slice + kpos;
+          for (int d = 0; d < hd; ++d) kdst[d * bs] = k[h * hd + d];
+          std::memcpy(reinterpret_cast<float*>(vc) + h * head_slice + vpos, v + h * hd, sizeof(float) * hd);
+        }
+        continue;
       }
+      int64_t n_clamped = 0;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        uint8_t* kdst = reinterpret_cast<uint8_t*>(kc) + h * head_slice + kpos;
+        uint8_t* vdst = reinterpret_cast<uint8_t*>(vc) + h * head_slice + vpos;
+        for (int d = 0; d < hd; ++d) kdst[d * bs] = fp8_store(k[h * hd + d], kinv, fmax, e4m3, n_clamped);
+        for (int d = 0; d < hd; ++d) vdst[d] = fp8_store(v[h * hd + d], vinv, fmax, e4m3, n_clamped);
+      }
+      if (n_clamped) clamped += n_clamped;
     }
   });
+  return clamped.load();
 }
 
 }  // namespace
@@ -187,7 +214,7 @@ TORCH_LIBRARY_FRAGMENT(pier_llm, m) {
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor rope, Tensor positions, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor slots, int heads, int kv_heads) -> ()");
+      "Tensor slots, int heads, int kv_heads, float k_scale=1., float v_scale=1.) -> int");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
   m.impl("rope_write_kv", c10::DispatchKey::CPU, &rope_write_kv);

@@ -14,6 +14,11 @@
 // sliding-window layer may already have given back) are never read, and the window's first
 // block's earlier tokens are left out of the softmax.
 //
+// An FP8 cache (float8_e4m3fn or float8_e5m2, pier_fp8.h) is read in place too: each task decodes
+// its own blocks through a 256-entry table into a per-thread float buffer laid out as the float
+// cache is, then runs the same float code over it; `k_scale` is folded into the softmax scale and
+// `v_scale` applied once to the output, as vLLM's CPU FP8 attention does.
+//
 // Vector width is chosen at load time (target_clones, see pier_vec.h).
 
 #include <ATen/Parallel.h>
@@ -27,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pier_fp8.h"
 #include "pier_vec.h"
 
 namespace {
@@ -273,17 +279,27 @@ int64_t first_block(int64_t ctx, int64_t window, int64_t bs) {
 
 // out [B, heads * head_dim] (written); q [B, heads, head_dim] (head_dim contiguous, any row and
 // head strides); k_cache [kv_heads, num_blocks, head_dim, block_size] and v_cache [kv_heads,
-// num_blocks, block_size, head_dim], contiguous;
+// num_blocks, block_size, head_dim], contiguous, float32 or both of one FP8 format (k_scale, v_scale);
 // block_tables [B, max_blocks] int32; context_lens [B] int32 (each >= 1); softcap > 0 caps the
 // scores; window > 0 attends to the last `window` tokens only (entries of a table before the
 // window's first block are never read).
+// Byte codes of `n` cache elements -> floats.
+PIER_CLONES void decode_fp8(float* __restrict dst, const uint8_t* __restrict src, int64_t n,
+                            const float* __restrict lut) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
+}
+
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, double softcap, int64_t window) {
+                            const at::Tensor& context_lens, double scale, double softcap, int64_t window,
+                            double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  const at::ScalarType kind = k_cache.scalar_type();
+  const bool fp8 = is_fp8(kind);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kind == at::kFloat || fp8) && v_cache.scalar_type() == kind &&
+                  out.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only (q, out and the cache), or both caches of one FP8 format");
+  TORCH_CHECK(k_scale > 0.0 && v_scale > 0.0, "paged_decode_attention: k_scale and v_scale must be positive");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "paged_decode_attention: block_tables and context_lens must be int32");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, heads, head_dim] with head_dim contiguous");
@@ -321,12 +337,16 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     }
   }
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const char* kp = static_cast<const char*>(k_cache.data_ptr());
+  const char* vp = static_cast<const char*>(v_cache.data_ptr());
+  const int64_t elem = fp8 ? 1 : static_cast<int64_t>(sizeof(float));
+  float lut[256];
+  if (fp8) fp8_table(kind, lut);
+  const float fv_scale = static_cast<float>(v_scale);
   float* op = out.data_ptr<float>();
   const int64_t head_slice = num_blocks * bs * hd;
   const int64_t num_tasks = batch * kvh;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale * (fp8 ? k_scale : 1.0));
   const float fsoftcap = static_cast<float>(softcap);
   // Tasks are dealt round-robin, so threads share long and short sequences alike.
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
@@ -338,6 +358,11 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                                              : attend_x_16;
   at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(group) * max_ctx);
+    // FP8: the task's blocks decoded, [blocks][block] as in the cache, read through an identity table.
+    const int64_t block_elems = static_cast<int64_t>(bs) * hd;
+    std::vector<float> kbuf(fp8 ? max_blocks * block_elems : 0), vbuf(fp8 ? max_blocks * block_elems : 0);
+    std::vector<int32_t> iota(fp8 ? max_blocks : 0);
+    for (size_t i = 0; i < iota.size(); ++i) iota[i] = static_cast<int32_t>(i);
     for (int64_t tid = begin; tid < end; ++tid) {
       for (int64_t i = tid; i < num_tasks; i += nthreads) {
         const int64_t b = i / kvh;
@@ -345,10 +370,27 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
         const int ctx = static_cast<int>(lens[b]);
         const int skip = static_cast<int>(first_block(ctx, window, bs));  // blocks wholly before the window
         const int first = window > 0 && ctx > window ? ctx - static_cast<int>(window) : 0;
+        const char* kh = kp + h * head_slice * elem;
+        const char* vh = vp + h * head_slice * elem;
         Task task{qp + b * q.stride(0) + static_cast<int64_t>(h) * group * q.stride(1), q.stride(1),
-                  kp + h * head_slice, vp + h * head_slice, tables + b * max_blocks + skip, ctx - skip * bs,
+                  reinterpret_cast<const float*>(kh), reinterpret_cast<const float*>(vh),
+                  tables + b * max_blocks + skip, ctx - skip * bs,
                   op + (b * heads + static_cast<int64_t>(h) * group) * hd, first - skip * bs, fsoftcap};
+        if (!fp8) {
+          attend(task, group, hd, bs, fscale, scores.data());
+          continue;
+        }
+        const int nb = (task.ctx + bs - 1) / bs;
+        for (int j = 0; j < nb; ++j) {
+          const int64_t at = static_cast<int64_t>(task.table[j]) * block_elems;
+          decode_fp8(kbuf.data() + j * block_elems, reinterpret_cast<const uint8_t*>(kh) + at, block_elems, lut);
+          decode_fp8(vbuf.data() + j * block_elems, reinterpret_cast<const uint8_t*>(vh) + at, block_elems, lut);
+        }
+        task.k = kbuf.data();
+        task.v = vbuf.data();
+        task.table = iota.data();
         attend(task, group, hd, bs, fscale, scores.data());
+        for (int64_t e = 0; e < static_cast<int64_t>(group) * hd; ++e) task.out[e] *= fv_scale;
       }
     }
   });
@@ -359,6 +401,6 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
 TORCH_LIBRARY(pier_llm, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, float softcap=0., int window=0) -> ()");
+      "Tensor context_lens, float scale, float softcap=0., int window=0, float k_scale=1., float v_scale=1.) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

@@ -3,7 +3,8 @@
 RoPE on q and k, the new tokens' K/V written to their cache slots, then paged attention (the step's
 decode tokens and prefill chunks; `backends/llm/attention.py` is the paged attention itself and the
 per-step metadata). With the compiled CPU kernels (`use_kernels`), RoPE and the K/V write are one op
-and the K cache is block-transposed (the decode kernel's layout).
+and the K cache is block-transposed (the decode kernel's layout). With an FP8 cache, a layer whose
+scales are not known yet (none in the checkpoint) derives them from the first prefill it sees.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Attention:
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """[N, heads * head_dim] for the step's tokens; `rotations` is `rope.at(positions)` (None with kernels)."""
         k_cache, v_cache = kv_cache
+        scales = getattr(kv_cache, "scales", None)  # an FP8 cache's (attention.LayerKV)
         n, hd, nh, nkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qs, kvs = self.q_size, self.kv_size
         v = qkv[:, qs + kvs :].view(n, nkv, hd)
@@ -51,11 +53,22 @@ class Attention:
             qkv[:, qs : qs + kvs] = k_norm(qkv[:, qs : qs + kvs].reshape(n * nkv, hd)).view(n, kvs)
         if self.kernels is not None:  # rotates q and k inside qkv, then stores k and v
             assert self.rope.table is not None
-            self.kernels.rope_write_kv(qkv, self.rope.table, positions, k_cache, v_cache, meta.slot_mapping, nh, nkv)
+            if scales is None:
+                self.kernels.rope_write_kv(qkv, self.rope.table, positions, k_cache, v_cache, meta.slot_mapping, nh,
+                                           nkv)
+            else:
+                if not scales.ready:  # RoPE turns channel pairs: a pair's norm bounds both after it
+                    pairs = qkv[:, qs : qs + kvs].reshape(n, nkv * hd // 2, 2)
+                    scales.derive(float(pairs.norm(dim=-1).max()), float(v.abs().max()), k_cache.dtype)
+                scales.clamped += self.kernels.rope_write_kv(qkv, self.rope.table, positions, k_cache, v_cache,
+                                                             meta.slot_mapping, nh, nkv, scales.k, scales.v)
             q, k = qkv[:, :qs].view(n, nh, hd), qkv[:, qs : qs + kvs].view(n, nkv, hd)
         else:
             assert rotations is not None
             qk = self.rope.rotate(qkv[:, : qs + kvs].view(n, nh + nkv, hd), rotations)
             q, k = qk[:, :nh], qk[:, nh:]
-            write_kv(k_cache, v_cache, k, v, meta)
-        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace, self.window, self.softcap)
+            if scales is not None and not scales.ready:
+                scales.derive(float(k.abs().max()), float(v.abs().max()), k_cache.dtype)
+            write_kv(k_cache, v_cache, k, v, meta, scales)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace, self.window, self.softcap,
+                               scales)

@@ -17,6 +17,7 @@ import torch
 from pier.contract.backend import LoadProgress
 
 from .. import kernels
+from ..kv_fp8 import checkpoint_kv_scales
 from . import quantization
 from .hf_config import ArchConfig, read_config
 from .interface import CausalLM
@@ -71,17 +72,22 @@ def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
 
 def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, progress: Callable[[LoadProgress], None] | None = None,
-               prepare: Callable[[CausalLM], None] | None = None, quant: QuantConfig | None = None) -> CausalLM:
+               prepare: Callable[[CausalLM], None] | None = None, quant: QuantConfig | None = None,
+               kv_scales: dict[int, dict[str, float]] | None = None) -> CausalLM:
     """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights');
     `prepare` sees the model built, before its weights (a tensor-parallel rank's split, parallel/shard.py);
-    with `quant`, its decoder projections are packed (models/quantization.py)."""
+    with `quant`, its decoder projections are packed (models/quantization.py); `kv_scales` receives
+    the checkpoint's per-layer KV cache scales (kv_fp8.checkpoint_kv_scales)."""
     model = cls(config, dtype, device, max_positions)
     if prepare is not None:
         prepare(model)
     if quant is not None:
         ops = kernels.load() if device.type == "cpu" else None
         projections = quantization.apply(model, quant, ops)
-    model.load_weights(quantization.translate(iter_weights(folder, progress), quant))
+    weights = iter_weights(folder, progress)
+    if kv_scales is not None:
+        weights = checkpoint_kv_scales(weights, kv_scales)
+    model.load_weights(quantization.translate(weights, quant))
     if quant is not None:
         quantization.log_summary(quant, model, projections)
     return model

@@ -14,11 +14,16 @@ from pier.backends.llm.sampling_params import SamplingParams
 @pytest.mark.parametrize("mode,caching,seed", [
     ("recompute", True, 0), ("recompute", False, 1), ("swap", True, 2), ("swap", False, 3),
 ])
-def test_random_workload_returns_every_block(llama_dir, mode, caching, seed):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_random_workload_returns_every_block(llama_dir, mode, caching, seed, kv_dtype):
+    """Under every combination of preemption mode, prefix caching and KV cache dtype (an FP8 block
+    is a quarter of the float32 one's bytes: the budget keeps 28 blocks)."""
     rng = random.Random(seed)
+    block_bytes = 2048 if kv_dtype == "auto" else 512
     eng = LLMEngine(llama_dir, EngineConfig(
-        kv_cache_memory_bytes=28 * 2048, block_size=4, preemption_mode=mode, swap_space_bytes=24 * 2048,
-        enable_prefix_caching=caching, max_num_seqs=8, max_num_batched_tokens=24))
+        kv_cache_memory_bytes=28 * block_bytes, block_size=4, preemption_mode=mode, swap_space_bytes=24 * block_bytes,
+        enable_prefix_caching=caching, max_num_seqs=8, max_num_batched_tokens=24, kv_cache_dtype=kv_dtype))
+    assert eng.kv.pool.num_blocks == 28
     shared = [rng.randrange(2, 320) for _ in range(12)]
     live: set[str] = set()
     finished_reasons: dict[str, set[str]] = {}
