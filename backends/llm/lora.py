@@ -214,11 +214,12 @@ class LoRAManager:
         self.adapters.pop(name)
 
     def resolve(self, name: str | None) -> int:
-        """The id of adapter `name` (0 for None: the base model). ValueError when not served."""
+        """The id of adapter `name` (0 for None: the base model). ValueError when not served, in
+        Triton's vLLM backend's words (the OpenAI API answers its own 404 before this)."""
         if name is None:
             return 0
         if not self.adapters.get(name):
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+            raise ValueError(f"LoRA {name} is not supported, we currently support {sorted(self.adapters)}")
         return self.adapters[name].id
 
     def name_of(self, lora_id: int) -> str:

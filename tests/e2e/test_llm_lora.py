@@ -124,7 +124,7 @@ def test_triton_lora_name_and_the_metric(setup) -> None:
     inside = {**body, "sampling_parameters": json.dumps({"max_tokens": 6, "temperature": 0, "lora_name": "a2"})}
     assert requests.post(url, json=inside, timeout=30).json()["text_output"] == texts["a2"]["text_output"]
     bad = requests.post(url, json={**body, "lora_name": "nope"}, timeout=30)
-    assert bad.status_code == 400 and "LoRA adapter 'nope' is not loaded" in bad.text
+    assert bad.status_code == 400 and "LoRA nope is not supported, we currently support ['a1', 'a2']" in bad.text
     metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
     row = next(x for x in metrics.splitlines() if x.startswith("vllm:lora_requests_info{"))
     assert row.startswith('vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} ')

@@ -161,7 +161,7 @@ def test_refusals(llama_dir, adapters, tmp_path):
     assert eng.update_lora("nope", None) == (404, "The lora adapter 'nope' cannot be found.")
     assert eng.update_lora("a2", None) == (200, "Success: LoRA adapter 'a2' removed successfully.")
     assert sorted(eng.lora_adapters()) == ["a1"]
-    with pytest.raises(ValueError, match="LoRA adapter 'a2' is not loaded"):
+    with pytest.raises(ValueError, match=r"LoRA a2 is not supported, we currently support \['a1'\]"):
         eng.add_request("x", [5, 6, 7], greedy("a2"))
 
 
