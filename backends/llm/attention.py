@@ -18,8 +18,9 @@ its blocks and uses a causal mask shifted by the prefix length.
 
 An FP8 cache (kv_fp8.py) holds K / k_scale and V / v_scale in float8 tensors (the layer's
 `LayerKV.scales`): `write_kv` quantizes, the gathers decode after `index_select`, and the compiled
-kernel reads the FP8 blocks itself. A prefill chunk without a cached prefix attends over its own
-new K/V at full precision (they are at hand), as vLLM's does.
+kernel reads the FP8 blocks itself. A prefill chunk without a cached prefix attends over its own new
+K/V rounded through FP8 as the cache holds them, so that every path (and the kernel, which reads
+short prefills from the cache) sees the same values.
 
 Two options of a layer's attention (`paged_attention`'s `window` and `softcap`): a sliding window
 (a query attends to the last `window` positions only, itself included, as transformers' masks) and
@@ -190,6 +191,9 @@ def paged_attention(
         if p.num_cached == 0:
             keys = k[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
             values = v[p.start : p.start + p.num_tokens].transpose(0, 1).unsqueeze(0)
+            if scales is not None:  # K/V as the FP8 cache holds them, as every other read (the kernel's too)
+                keys = dequantize(quantize(keys, scales.k, k_cache.dtype)[0], scales.k, q.dtype)
+                values = dequantize(quantize(values, scales.v, v_cache.dtype)[0], scales.v, q.dtype)
         else:
             assert p.block_ids is not None
             ctx = p.num_cached + p.num_tokens

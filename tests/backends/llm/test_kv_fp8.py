@@ -94,9 +94,9 @@ def test_block_count_for_the_same_budget(llama_dir, tmp_path):
 
 
 def _greedy(eng: LLMEngine, prompts, n: int, prompt_logprobs: int | None = None):
-    """Per prompt: [(token, logprob, top-5 dict)] of its greedy continuation, and its prompt logprobs."""
+    """Per prompt: [(token, logprob, top-10 dict)] of its greedy continuation, and its prompt logprobs."""
     for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, logprobs=5, ignore_eos=True,
+        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0, logprobs=10, ignore_eos=True,
                                                   prompt_logprobs=prompt_logprobs))
     outs: dict[str, list] = {str(i): [] for i in range(len(prompts))}
     plp: dict[str, list] = {str(i): [] for i in range(len(prompts))}
@@ -113,19 +113,25 @@ def _greedy(eng: LLMEngine, prompts, n: int, prompt_logprobs: int | None = None)
 # Teacher-forced (each position's argmax after the same history; the prefix read from the cache in
 # chunks of 4): e4m3 argmax agreement 390-393 / 434 (90 %), mean |dlogprob| 0.065 (max 0.30); e5m2 354-357
 # / 434 (82 %), 0.12-0.13 (max 0.90). The bounds below leave room over those figures.
-TOLERANCE = {"fp8": (0.08, 0.85, 0.10), "fp8_e5m2": (0.15, 0.75, 0.20)}  # free mean, TF agreement, TF mean
+# free mean, TF agreement, TF mean, top-k where the runs part
+TOLERANCE = {"fp8": (0.08, 0.85, 0.10, 5), "fp8_e5m2": (0.15, 0.75, 0.20, 10)}
+
+
+def top(lp: dict[int, float], k: int) -> set[int]:
+    return set(sorted(lp, key=lp.__getitem__, reverse=True)[:k])
 
 
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("attention", ["auto", "torch"])
 def test_fp8_stays_within_tolerance_of_the_float_cache(llama_dir, kv, attention):
     """Greedy over N = 32 steps: until the first divergence the chosen token's logprob stays close, and
-    where the runs part, each one's token is in the other's top 5 (vLLM's check_logprobs_close). Then
+    where the runs part, each one's token is in the other's top 5 (E5M2: top 10; vLLM's
+    check_logprobs_close). Then
     teacher-forced over every position of prompt + float continuation (chunked, so the prefix is read
     from the FP8 cache): the argmax agrees at the stated rate, the logprobs within the stated mean."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 17, 40, 5, 64, 33, 9, 21)]
-    free_mean, tf_agree, tf_mean = TOLERANCE[kv]
+    free_mean, tf_agree, tf_mean, k = TOLERANCE[kv]
     cfg = dict(block_size=4, kv_cache_memory_bytes=1 << 20, attention=attention)
     ref, _ = _greedy(LLMEngine(llama_dir, EngineConfig(**cfg)), prompts, 32)
     eng = LLMEngine(llama_dir, EngineConfig(kv_cache_dtype=kv, **cfg))
@@ -134,7 +140,7 @@ def test_fp8_stays_within_tolerance_of_the_float_cache(llama_dir, kv, attention)
     for a, b in zip(ref, got):
         for (ta, la, topa), (tb, lb, topb) in zip(a, b):
             if ta != tb:
-                assert ta in topb and tb in topa, f"diverged beyond the top 5: {ta} vs {tb}"
+                assert ta in top(topb, k) and tb in top(topa, k), f"diverged beyond the top {k}: {ta} vs {tb}"
                 break
             diffs.append(abs(la - lb))
     assert sum(diffs) / len(diffs) <= free_mean, sum(diffs) / len(diffs)
