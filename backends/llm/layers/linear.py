@@ -161,6 +161,12 @@ class Linear:
         self.split: Split | None = None
         self._parts: dict[tuple[str, int], Any] = {}
 
+    @property
+    def checkpoint_sizes(self) -> tuple[int, ...]:
+        """The output slices' widths in the checkpoint (a column-parallel shard's are smaller)."""
+        sp = self.split
+        return self.output_sizes if sp is None or sp.row else sp.full
+
     def shard(self, split: Split) -> None:
         """Hold only this rank's share (`split`) from now on; before `load`. The layer's sizes become
         the shard's, the checkpoint's stay in `split.full`."""

@@ -27,10 +27,10 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
         def split(linear: Linear, name: str, kind: str) -> Callable[[torch.Tensor], None]:
             def load(t: torch.Tensor) -> None:
-                want = linear.output_size
-                if t.shape[0] != want:
-                    raise ValueError(f"{name}: {kind} has {t.shape[0]} rows, expected {want}")
-                for i, part in enumerate(t.split(list(linear.output_sizes))):
+                sizes = linear.checkpoint_sizes  # the checkpoint's, also on a tensor-parallel rank
+                if t.shape[0] != sum(sizes):
+                    raise ValueError(f"{name}: {kind} has {t.shape[0]} rows, expected {sum(sizes)}")
+                for i, part in enumerate(t.split(list(sizes))):
                     heads = rotate[i] if linear is self.qkv_proj else None
                     linear.load(i, part if heads is None else rope.interleave(part, heads), kind)
             return load

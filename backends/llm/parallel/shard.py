@@ -21,8 +21,8 @@ from ..models.hf_config import ArchConfig
 from .group import ParallelGroup
 
 # the architectures whose layers are Llama's projections (models/llama.py's LlamaDecoderLayer)
-SPLITS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-          "Qwen3ForCausalLM")
+SPLITS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+          "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def check(cfg: ArchConfig, size: int) -> None:

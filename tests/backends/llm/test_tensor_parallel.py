@@ -19,7 +19,7 @@ from pier.backends.llm.parallel.shm_allreduce import SHM, remove_stale
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
-from .tiny_model import build_model, hf_greedy
+from .tiny_model import ARCHITECTURES, build_model, hf_greedy
 
 TOKENS = 16
 BLOCKS = 40  # of 4 tokens: the prompts below do not all fit at once, so the scheduler preempts
@@ -84,9 +84,16 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        tie_word_embeddings=True, random_norms=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir):
-    folder = llama_dir if arch == "llama" else qwen3_dir
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """q/k/v and gate/up fused in the checkpoint, a partial rotary factor, a sliding window of 8."""
+    arch, settings = ARCHITECTURES["phi3"]
+    return build_model(tmp_path_factory.mktemp("phi3") / "model", arch, **settings)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir):
+    folder = {"llama": llama_dir, "qwen3": qwen3_dir, "phi3": phi3_dir}[arch]
     prompts = _prompts()
     one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL))  # type: ignore[arg-type]
     ref = _run(one, prompts)
