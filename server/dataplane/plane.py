@@ -13,6 +13,7 @@ from pier import __version__
 from pier.contract.errors import PierError, invalid_arg, unavailable, unsupported
 from pier.contract.types import InferenceRequest, InferenceResponse, ModelSpec, Outputs, RequestedOutput, Tensor
 from pier.dataplane import degrade
+from pier.dataplane.instances import InstanceOperations
 from pier.dataplane.response_cache import ResponseCache
 from pier.dataplane.shared_memory import SystemSharedMemory
 from pier.lifecycle.loaded_model import LoadedModel
@@ -75,7 +76,7 @@ class InferencePlane(Protocol):
         """One request: run it, then `encode` the answer (see DataPlane.serve)."""
 
 
-class DataPlane:
+class DataPlane(InstanceOperations):
     def __init__(self, routes: RoutingTable, strict_readiness: bool, tracer: Tracer | None = None,
                  server_id: str = SERVER_NAME, cache: ResponseCache | None = None) -> None:
         self.server_id = server_id
@@ -193,33 +194,6 @@ class DataPlane:
             if key in m.spec.parameters:
                 out[m.spec.name] = m.spec.parameters[key]
         return dict(sorted(out.items()))
-
-    def load_report(self, name: str) -> dict[str, float]:
-        """Model `name`'s load now (ORCA's named metrics, for inference gateways): requests waiting
-        (its schedulers' queues and what its instances report waiting) and what its instances
-        report beside (the LLM's kv_cache_usage_perc: the fullest instance's); {} for no such model."""
-        models = [m for m in self._routes.loaded_models() if m.spec.name == name]
-        if not models:
-            return {}
-        report = {"num_requests_waiting": float(sum(m.scheduler.pending_count() for m in models))}
-        for m in models:
-            for instance in m.instances:
-                for key, value in instance.load_report().items():
-                    report[key] = report.get(key, 0.0) + value if key == "num_requests_waiting" \
-                        else max(value, report.get(key, value))
-        return report
-
-    async def reset_prefix_cache(self) -> bool:
-        """Every loaded model forgets its cached prefixes (vLLM's /reset_prefix_cache); False if
-        one could not now (its requests hold cached blocks)."""
-        done = [await instance.reset_prefix_cache() for m in self._routes.loaded_models() for instance in m.instances]
-        return all(done)
-
-    async def update_lora(self, model: str, name: str, path: str | None, inplace: bool) -> tuple[int, str]:
-        """Load or unload LoRA adapter `name` in every instance of `model`: (HTTP status, text), the first failure's."""
-        models = [m for m in self._routes.loaded_models() if m.spec.name == model]
-        answers = [await i.update_lora(name, path, inplace) for m in models for i in m.instances]
-        return next((a for a in answers if a[0] != 200), answers[0] if answers else (404, f"no model {model!r}"))
 
     def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
         return config_to_json(self.resolve(name, version).config)
