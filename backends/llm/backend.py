@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pier.backends.llm import degrade
+from pier.backends.llm.chat import render_chat
 from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
 from pier.backends.llm.metrics import LLMMetrics, phase_times
 from pier.contract import llm
@@ -66,59 +67,6 @@ def _bytes(name: str, value: bytes) -> Tensor:
 
 def _uint32(name: str, value: int) -> Tensor:
     return Tensor(name, "UINT32", [1], np.array([value], np.uint32))
-
-
-_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-
-
-def _plain_message(message: Any) -> dict[str, Any]:
-    """A message as string-content chat templates expect it, as vLLM renders them: content given as
-    a list of text parts is their texts joined by newlines, null content is empty, and the
-    `developer` role (OpenAI's newer name) is `system`."""
-    if not isinstance(message, dict):
-        raise ValueError("each message must be an object")
-    out = dict(message)
-    content = out.get("content")
-    if content is None:
-        out["content"] = ""
-    elif isinstance(content, list):
-        texts = [p["text"] for p in content
-                 if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
-        if len(texts) != len(content):
-            raise ValueError("message content parts must be text parts ({'type': 'text', 'text': ...})")
-        out["content"] = "\n".join(texts)
-    if out.get("role") == "developer":
-        out["role"] = "system"
-    return out
-
-
-def _render_chat(tokenizer: Any, doc: Any) -> str:
-    """chat_messages: a list of messages, or {"messages", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs", "tools"} (the OpenAI frontend's template options).
-    continue_final_message renders without a generation prompt and ends the text right after the
-    last message's content, so the model continues it."""
-    options: dict[str, Any] = doc if isinstance(doc, dict) else {llm.CHAT_OPTION_MESSAGES: doc}
-    messages = options.get(llm.CHAT_OPTION_MESSAGES)
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    add = bool(options.get(llm.CHAT_OPTION_ADD_GENERATION_PROMPT, True))
-    cont = bool(options.get(llm.CHAT_OPTION_CONTINUE_FINAL_MESSAGE, False))
-    kwargs = options.get(llm.CHAT_OPTION_TEMPLATE_KWARGS) or {}
-    if not isinstance(kwargs, dict) or _TEMPLATE_NAMES & kwargs.keys():
-        raise ValueError(f"chat_template_kwargs must be an object without {sorted(_TEMPLATE_NAMES)}")
-    if add and cont:
-        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    tools = options.get(llm.CHAT_OPTION_TOOLS)
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError("tools must be a list")
-    messages = [_plain_message(m) for m in messages]
-    if tools:  # the template shows the model the tools (as HF's apply_chat_template(tools=...))
-        kwargs = {**kwargs, "tools": tools}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, **kwargs)
-    final = messages[-1].get("content")
-    if cont and isinstance(final, str) and final and (at := text.rfind(final)) >= 0:
-        text = text[: at + len(final)]
-    return text
 
 
 class LLMInstance(ModelInstance):
@@ -255,7 +203,7 @@ class LLMInstance(ModelInstance):
             flags[llm.EXCLUDE_INPUT_IN_OUTPUT] = True
         elif messages not in (None, b"", ""):
             try:
-                text = _render_chat(self.tokenizer, json.loads(_text(messages, llm.CHAT_MESSAGES)))
+                text = render_chat(self.tokenizer, json.loads(_text(messages, llm.CHAT_MESSAGES)))
                 self.engine.check_text_length(text)
             except RecursionError:
                 raise invalid_arg("chat_messages: the JSON is nested too deeply") from None

@@ -88,34 +88,34 @@ def test_config_special_tokens_are_skipped(tmp_path):
 def test_chat_template_options(tok):
     """The OpenAI frontend's template options: no generation prompt, continuing the final message,
     extra template variables; contradictory or reserved ones are errors."""
-    from pier.backends.llm.backend import _render_chat
+    from pier.backends.llm.chat import render_chat
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
-    assert _render_chat(tok, msgs[:1]) == "<s><|user|>hi</s><|assistant|>"  # a plain list: as before
-    assert _render_chat(tok, {"messages": msgs[:1], "add_generation_prompt": False}) == "<s><|user|>hi</s>"
-    cont = _render_chat(tok, {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert render_chat(tok, msgs[:1]) == "<s><|user|>hi</s><|assistant|>"  # a plain list: as before
+    assert render_chat(tok, {"messages": msgs[:1], "add_generation_prompt": False}) == "<s><|user|>hi</s>"
+    cont = render_chat(tok, {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
     assert cont == "<s><|user|>hi</s><|assistant|>Once upon"  # no end-of-turn after the final message
     with pytest.raises(ValueError, match="cannot both be true"):
-        _render_chat(tok, {"messages": msgs, "continue_final_message": True})
+        render_chat(tok, {"messages": msgs, "continue_final_message": True})
     with pytest.raises(ValueError, match="chat_template_kwargs"):
-        _render_chat(tok, {"messages": msgs, "chat_template_kwargs": {"messages": []}})
+        render_chat(tok, {"messages": msgs, "chat_template_kwargs": {"messages": []}})
 
 
 def test_chat_content_parts_null_content_and_developer_role(tok):
     """As vLLM renders them for a string-content template: text parts joined by newlines, null
     content empty, the developer role as system (the SDK and agent frameworks send all three)."""
-    from pier.backends.llm.backend import _render_chat
+    from pier.backends.llm.chat import render_chat
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
-    assert _render_chat(tok, parts) == _render_chat(tok, [{"role": "user", "content": "hi\nthere"}])
+    assert render_chat(tok, parts) == render_chat(tok, [{"role": "user", "content": "hi\nthere"}])
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                {"role": "user", "content": "x"}]
-    assert "None" not in _render_chat(tok, history)
-    assert _render_chat(tok, history) == _render_chat(tok, [{**m, "content": m["content"] or ""} for m in history])
-    dev = _render_chat(tok, [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
-    assert dev == _render_chat(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert "None" not in render_chat(tok, history)
+    assert render_chat(tok, history) == render_chat(tok, [{**m, "content": m["content"] or ""} for m in history])
+    dev = render_chat(tok, [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert dev == render_chat(tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="text parts"):
-        _render_chat(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        render_chat(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
 def test_a_character_cut_at_the_end_is_dropped(tok):
@@ -133,15 +133,15 @@ def test_a_character_cut_at_the_end_is_dropped(tok):
 
 def test_chat_template_sees_the_tools(llama_dir):
     """Tools sent with tool_choice "none" reach a template that renders them (vLLM's default)."""
-    from pier.backends.llm.backend import _render_chat
+    from pier.backends.llm.chat import render_chat
 
     tok = Tokenizer(llama_dir)
     tok.chat_template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
                          "{% for m in messages %}{{ m.content }}{% endfor %}")
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     msgs = [{"role": "user", "content": "hi"}]
-    assert _render_chat(tok, {"messages": msgs, "tools": [tool, tool]}) == "[get_weather;get_weather;]hi"
-    assert _render_chat(tok, msgs) == "hi"
+    assert render_chat(tok, {"messages": msgs, "tools": [tool, tool]}) == "[get_weather;get_weather;]hi"
+    assert render_chat(tok, msgs) == "hi"
 
 
 def test_logprob_token_texts_read_in_place(tok):
