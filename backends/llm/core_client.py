@@ -74,7 +74,7 @@ class EngineCoreClient(EngineClient):
                  on_progress: Callable[[LoadProgress], None] | None = None) -> None:
         config = EngineConfig.from_parameters(parameters, **overrides)  # bad values fail here, at once
         folder = Path(config.model.model_path or model_dir)
-        self._init = cm.Init(str(model_dir), dict(parameters), dict(overrides))
+        self._init = cm.Init(str(model_dir), dict(parameters), dict(overrides), logging.getLogger().getEffectiveLevel())
         self._on_health = on_health or (lambda reason: None)
         self._on_progress = on_progress or (lambda progress: None)  # the core's load, as it reports it
         self._zmq = zmq.Context()
@@ -242,7 +242,7 @@ class EngineCoreClient(EngineClient):
     @staticmethod
     def _events(core: _Core, on_bad: Callable[[BadMessage, memoryview], None]) -> list[cm.Event]:
         """Every event waiting (without blocking); one that does not decode goes to `on_bad`,
-        said on the log."""
+        said on the log. The core's log records are said on the server's log here, not returned."""
         events: list[cm.Event] = []
         while True:
             try:
@@ -250,7 +250,11 @@ class EngineCoreClient(EngineClient):
             except zmq.Again:
                 return events
             try:
-                events.append(cm.EVENTS.decode(frame.buffer))
+                event = cm.EVENTS.decode(frame.buffer)
+                if isinstance(event, cm.Log):
+                    logging.getLogger(event.logger).log(event.level, "%s", event.message)
+                else:
+                    events.append(event)
             except BadMessage as exc:
                 log.error("%s", exc)
                 on_bad(exc, frame.buffer)

@@ -6,7 +6,7 @@
     core -> server   Progress while it loads, Ready | LoadFailed (to Init), then per step Outputs (the
                      step's RequestOutputs and the engine's stats), Refused for a request the
                      engine would not take, the answers PrefixCacheReset and LoRAUpdated, Fatal
-                     before it exits when it cannot step any more  (Event)
+                     before it exits when it cannot step any more, Log for its log records  (Event)
 
 The first field of a message about one request is its id, so one that does not decode fails that
 request alone (pier.ipc.messages.BadMessage.ref). SamplingParams, RequestOutput, EngineStats and
@@ -55,6 +55,7 @@ class Init(Message):
     model_dir: str
     parameters: dict[str, str]
     overrides: dict[str, Any]
+    log_level: int = 20  # the server's (logging.INFO): the core's records at or above it come back as Log
 
 
 class Add(Message):
@@ -122,6 +123,15 @@ class Refused(Message):
     message: str
 
 
+class Log(Message):
+    """A log record of the core (what it compiled, loaded, derived), said again on the server's log
+    under the same logger name and level."""
+
+    level: int
+    logger: str
+    message: str
+
+
 class Fatal(Message):
     """The engine cannot step any more and the core exits (a tensor-parallel rank died): why."""
 
@@ -134,7 +144,7 @@ class PrefixCacheReset(Message):
 
 
 Command = Init | Add | Abort | Stop | ResetPrefixCache | UpdateLoRA
-Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset | LoRAUpdated | Fatal
+Event = Progress | Ready | LoadFailed | Outputs | Refused | PrefixCacheReset | LoRAUpdated | Fatal | Log
 
 COMMANDS: Codec[Command] = Codec(Command, "server-to-engine-core")
 EVENTS: Codec[Event] = Codec(Event, "engine-core-to-server")

@@ -16,9 +16,11 @@ ignores the terminal's Ctrl-C (it runs in its own session too): the server stops
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import zmq
@@ -34,6 +36,7 @@ from .core_messages import (
     Fatal,
     Init,
     LoadFailed,
+    Log,
     LoRAUpdated,
     Outputs,
     PrefixCacheReset,
@@ -45,6 +48,27 @@ from .core_messages import (
     UpdateLoRA,
 )
 from .outputs import EngineStats, RequestOutput
+
+
+class _LogToServer(logging.Handler):
+    """The core's log records as Log events, which the server says again on its own log (the
+    quantization in use, the FP8 scales derived, the kernels' build): without it the core's INFO
+    lines went nowhere. The socket is the main thread's, as every send here; a record from another
+    thread (a library's) goes to stderr, which the server's log also receives."""
+
+    def __init__(self, outputs: zmq.Socket, level: int) -> None:
+        super().__init__(level)
+        self.outputs = outputs
+        self.fallback = logging.StreamHandler(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.fallback.emit(record)
+            return
+        try:
+            self.outputs.send(encode(Log(record.levelno, record.name, record.getMessage())))
+        except Exception:  # noqa: BLE001 - logging must never fail the engine
+            self.handleError(record)
 
 
 class EngineCore:
@@ -139,6 +163,9 @@ def main(argv: list[str]) -> int:
         init = COMMANDS.decode(commands.recv())
         if not isinstance(init, Init):
             raise BadMessage(COMMANDS.protocol, type(init).__name__, None, "expected Init first")
+        root = logging.getLogger()
+        root.handlers[:] = [_LogToServer(outputs, init.log_level)]
+        root.setLevel(init.log_level)
         from .config import EngineConfig
         from .engine import LLMEngine
 

@@ -4,6 +4,7 @@ restarted (bounded) and serves again; nothing is left behind after shutdown."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -118,5 +119,17 @@ def test_bad_request_is_refused_by_the_core(llama_dir, prompts) -> None:
         with pytest.raises(ValueError, match="greater than max allowed"):
             asyncio.run(too_many())
         assert len(asyncio.run(_collect(eng, prompts[0], 4))) == 4  # and it keeps serving
+    finally:
+        eng.shutdown()
+
+
+def test_the_cores_log_lines_reach_the_servers_log(llama_dir, caplog) -> None:
+    """What the core logs while it loads (here the line saying which quantization runs) is said on
+    the server's log under the core's logger name and level: before, its INFO lines went nowhere."""
+    caplog.set_level(logging.INFO)
+    eng = EngineCoreClient(llama_dir, {**PARAMS, "quantization": "int8"}, {})
+    try:
+        lines = [r for r in caplog.records if r.name.endswith("models.quantization")]
+        assert lines and lines[0].levelno == logging.INFO and "int8" in lines[0].getMessage(), caplog.text
     finally:
         eng.shutdown()
