@@ -29,6 +29,37 @@ httpclient = pytest.importorskip("tritonclient.http")
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 
 
+class Hammer:
+    """The example `simple` model (INT32 add) asked over and over on a thread of its own while a test
+    breaks another model, which must not cost it one failure: `ok`, `failed` and the `errors` seen."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.ok, self.failed, self.errors = url, 0, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = httpclient.InferenceServerClient(self.url)
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        while not self._stop.is_set():
+            inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+                      httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(a)
+            try:
+                assert (client.infer("simple", inputs).as_numpy("OUTPUT0") == a + a).all()
+                self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - counted, and shown on failure
+                self.failed += 1
+                self.errors.append(repr(exc))
+
+    def stop_and_check(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        assert self.failed == 0 and self.ok > 0, (self.ok, self.failed, self.errors[:3])
+
+
 def _children(pid: int) -> list[int]:
     """Children of every thread of `pid` (a child belongs to the thread that started it)."""
     out: list[int] = []
@@ -91,33 +122,12 @@ def test_kill_9_of_the_engine_process(tmp_path: Path) -> None:
         assert len(_core_dirs(tmp)) == 1  # its socket folder, where the check at the end looks
         first = engines[0]
 
-        # the other model, hammered the whole time: not one failure allowed
-        stop = threading.Event()
-        other: dict[str, int] = {"ok": 0, "failed": 0}
-        errors: list[str] = []
-
-        def hammer() -> None:
-            client = httpclient.InferenceServerClient(server.http_url)
-            a = np.arange(16, dtype=np.int32).reshape(1, 16)
-            while not stop.is_set():
-                inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-                          httpclient.InferInput("INPUT1", [1, 16], "INT32")]
-                inputs[0].set_data_from_numpy(a)
-                inputs[1].set_data_from_numpy(a)
-                try:
-                    out = client.infer("simple", inputs).as_numpy("OUTPUT0")
-                    assert (out == a + a).all()
-                    other["ok"] += 1
-                except Exception as exc:  # noqa: BLE001 - counted, and shown on failure
-                    other["failed"] += 1
-                    errors.append(repr(exc))
+        hammer = Hammer(server.http_url)  # the other model, the whole time: not one failure allowed
 
         def long_generate(i: int) -> requests.Response:
             return requests.post(f"{base}/v2/models/tiny_llama/generate", timeout=120,
                                  json={"text_input": f"prompt {i}", "sampling_parameters": json.dumps(LONG)})
 
-        hammer_thread = threading.Thread(target=hammer)
-        hammer_thread.start()
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(long_generate, i) for i in range(4)]
             deadline = time.monotonic() + 60  # wait until they are generating
@@ -156,9 +166,7 @@ def test_kill_9_of_the_engine_process(tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["text_output"], r.text
         assert requests.get(f"{base}/v2/health/ready", timeout=10).status_code == 200
 
-        stop.set()
-        hammer_thread.join(30)
-        assert other["failed"] == 0 and other["ok"] > 0, (other, errors[:3])
+        hammer.stop_and_check()
     finally:
         stop_code = server.stop()
     assert stop_code == 0, server.log()[-3000:]

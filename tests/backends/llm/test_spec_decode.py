@@ -215,10 +215,9 @@ def test_sampled_distribution_is_unchanged(small_vocab_dir, setting):
         assert stat < chi_square_limit(max(len(cells) - 1, 1)), (pos, stat, sorted(ca.items()), sorted(cb.items()))
 
 
-def test_structured_output_and_n_in_the_same_batch(llama_dir, repetitive, repetitive_reference):
-    """A structured-output request decodes without drafts (its grammar masks every token it
-    emits) beside speculating ones; n > 1 forks keep working."""
-    eng = engine(llama_dir, block_size=4, speculative_config=NGRAM)
+def structured_and_forks(eng: LLMEngine, repetitive: list[list[int]], repetitive_reference: list[list[int]]) -> None:
+    """A structured-output request, a greedy one and an n=3 sampled one in the same batch of a
+    speculating engine: the text matches its grammar, greedy equals the reference, each fork ends."""
     regex = r"(ab|cd){3,6}"
     eng.add_request("structured", repetitive[0], SamplingParams.from_json(
         {"max_tokens": 30, "temperature": 0, "structured_outputs": {"regex": regex}}))
@@ -237,5 +236,12 @@ def test_structured_output_and_n_in_the_same_batch(llama_dir, repetitive, repeti
     assert re.fullmatch(regex, text), text
     assert tokens == repetitive_reference[1]
     assert forks == {0: 20, 1: 20, 2: 20}
+
+
+def test_structured_output_and_n_in_the_same_batch(llama_dir, repetitive, repetitive_reference):
+    """A structured-output request decodes without drafts (its grammar masks every token it
+    emits) beside speculating ones; n > 1 forks keep working."""
+    eng = engine(llama_dir, block_size=4, speculative_config=NGRAM)
+    structured_and_forks(eng, repetitive, repetitive_reference)
     spec = eng.stats().spec_decode
     assert spec is not None and spec.num_accepted_tokens > 0

@@ -6,7 +6,6 @@ sampling whose distribution is unchanged; a draft with another tokenizer refused
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -14,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from pier.backends.llm.engine import LLMEngine
-from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.spec_decode import SpeculativeConfig
 
-from .test_spec_decode import GREEDY, SETTINGS, chi_square_limit, engine, sample_all, step_all
+from .test_spec_decode import GREEDY, SETTINGS, chi_square_limit, engine, sample_all, step_all, structured_and_forks
 from .tiny_model import build_tokenizer, truncated_copy
 
 
@@ -67,24 +65,7 @@ def test_greedy_across_preemption_and_prefix_caching(drafts, repetitive, repetit
 
 def test_structured_output_and_n_in_the_same_batch(drafts, repetitive, repetitive_reference):
     eng = engine(drafts, block_size=4, speculative_config=drafting("trunc", 3))
-    regex = r"(ab|cd){3,6}"
-    eng.add_request("structured", repetitive[0], SamplingParams.from_json(
-        {"max_tokens": 30, "temperature": 0, "structured_outputs": {"regex": regex}}))
-    eng.add_request("greedy", repetitive[1], GREEDY)
-    eng.add_request("forks", repetitive[2], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=7,
-                                                           ignore_eos=True))
-    text, tokens, forks = "", [], {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.request_id == "structured":
-                text += o.text
-            elif o.request_id == "greedy":
-                tokens.extend(o.token_ids)
-            else:
-                forks[o.index] = forks.get(o.index, 0) + len(o.token_ids)
-    assert re.fullmatch(regex, text), text
-    assert tokens == repetitive_reference[1]
-    assert forks == {0: 20, 1: 20, 2: 20}
+    structured_and_forks(eng, repetitive, repetitive_reference)
 
 
 @pytest.fixture(scope="module")
