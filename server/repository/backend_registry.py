@@ -18,6 +18,15 @@ class BackendEntry:
     module: str  # module with a `BACKEND` class attribute
     default_model_filename: str
     takes_settings: bool = False  # its BACKEND has configure(settings) for --backend-config
+    other_model_files: tuple[str, ...] = ()  # glob patterns of other files the backend serves a version from
+
+    def model_file(self, version_dir: Path, default: str | None = None) -> Path | None:
+        """The version folder's model file: `default` (the config's default_model_filename, else the
+        entry's) where present, else the first match of `other_model_files`."""
+        path = version_dir / (default or self.default_model_filename)
+        if path.exists():
+            return path
+        return next((m for pattern in self.other_model_files for m in sorted(version_dir.glob(pattern))), None)
 
 
 _ENTRIES: tuple[BackendEntry, ...] = (
@@ -25,7 +34,9 @@ _ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("pytorch", "pytorch_libtorch", "pier.backends.pytorch.backend", "model.pt"),
     BackendEntry("tensorrt", "tensorrt_plan", "pier.backends.tensorrt.backend", "model.plan"),
     BackendEntry("python", "", "pier.backends.python.backend", "model.py", takes_settings=True),
-    BackendEntry("llm", "", "pier.backends.llm.backend", "config.json", takes_settings=True),  # a Hugging Face folder
+    # a Hugging Face folder, or a GGUF file (backends/llm/models/gguf.py)
+    BackendEntry("llm", "", "pier.backends.llm.backend", "config.json", takes_settings=True,
+                 other_model_files=("*.gguf",)),
 )
 # Ensembles have a platform and no backend: the server schedules their steps itself.
 ENSEMBLE = BackendEntry("", "ensemble", "", "")
@@ -59,7 +70,7 @@ def detect(version_dirs: list[Path]) -> BackendEntry | None:
     """Guess the backend from the default model file present in a version folder."""
     for entry in _ENTRIES:
         for d in version_dirs:
-            if (d / entry.default_model_filename).exists():
+            if entry.model_file(d) is not None:
                 return entry
     return None
 

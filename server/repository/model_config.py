@@ -159,8 +159,9 @@ def _auto_complete_io(
 ) -> None:
     """Fill inputs/outputs (and max_batch_size) from the newest version's model file."""
     for d in sorted(version_dirs, key=lambda p: int(p.name), reverse=True):
-        path = d / config.default_model_filename
-        if path.exists():
+        found = entry.model_file(d, config.default_model_filename)
+        if found is not None:
+            path = found
             break
     else:
         return

@@ -2,11 +2,11 @@
 
 PATH is told apart by what it holds, never by guessing from its name alone:
 
-- a Hugging Face model folder (config.json beside *.safetensors): the LLM backend serves it;
+- a Hugging Face model folder (config.json beside *.safetensors), a `.gguf` file or a folder holding
+  one: the LLM backend serves it;
 - an `.onnx` file: ONNX Runtime serves it, its tensors read from the file (auto-complete);
 - a Triton model folder (config.pbtxt and/or numeric version folders): served as it is;
-- a model repository (folders of models): served as `--model-repository PATH` would;
-- a `.gguf` file is refused with the way round (GGUF does not load yet: docs/llm.md).
+- a model repository (folders of models): served as `--model-repository PATH` would.
 
 A model that is not a repository is served from a private repository of one made for the run (a
 folder of links: nothing is copied, nothing is written beside the model), under the model's name:
@@ -25,12 +25,13 @@ from pathlib import Path
 from pier.repository import source
 
 HF = "hf"
+GGUF = "gguf"
 ONNX = "onnx"
 MODEL = "model"
 REPOSITORY = "repository"
 
 # What config.pbtxt names for each kind served from a repository of one; the rest is auto-completed.
-_CONFIGS = {HF: 'backend: "llm"\n', ONNX: 'platform: "onnxruntime_onnx"\n'}
+_CONFIGS = {HF: 'backend: "llm"\n', GGUF: 'backend: "llm"\n', ONNX: 'platform: "onnxruntime_onnx"\n'}
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def classify(path: Path, served_name: str = "") -> ServedPath:
         if suffix == ".onnx":
             return ServedPath(ONNX, path, _check_name(served_name or path.stem, path))
         if suffix == ".gguf":
-            raise ValueError(f"{path}: GGUF files do not load yet; convert the model to a Hugging Face folder "
-                             "(config.json + safetensors) and serve that folder (docs/llm.md: `make smollm2` "
-                             "shows how)")
-        raise ValueError(f"{path}: a file to serve must be an .onnx model (a folder may be a Hugging Face model, "
-                         "a model or a model repository)")
+            return ServedPath(GGUF, path, _check_name(served_name or path.stem, path))
+        raise ValueError(f"{path}: a file to serve must be an .onnx model or a .gguf file (a folder may be a Hugging "
+                         "Face model, a model or a model repository)")
+    if not _is_model_folder(path) and not (path / "config.json").is_file() and any(path.glob("*.gguf")):
+        return ServedPath(HF, path, _check_name(served_name or path.name, path))
     if (path / "config.json").is_file() and not _is_model_folder(path):
         if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
             raise ValueError(f"{path}: a Hugging Face folder needs its weights as *.safetensors (none here; "
@@ -99,7 +100,7 @@ def make_repository(served: ServedPath, root: Path) -> Path:
         (model / "1").symlink_to(served.path, target_is_directory=True)
     else:
         (model / "1").mkdir()
-        (model / "1" / "model.onnx").symlink_to(served.path)
+        (model / "1" / ("model.onnx" if served.kind == ONNX else served.path.name)).symlink_to(served.path)
     return repo
 
 

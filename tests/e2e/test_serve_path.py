@@ -1,6 +1,6 @@
 """`pier serve PATH` for one model: a Hugging Face folder answers the OpenAI API under the folder's
 name (or --served-model-name), token for token as transformers' greedy decoding; an .onnx file
-answers tritonclient; the completed config is logged; a GGUF file is refused with the way round."""
+answers tritonclient; the completed config is logged; a corrupt GGUF file fails its load naming the file."""
 
 from __future__ import annotations
 
@@ -102,12 +102,14 @@ def test_an_onnx_file_answers_tritonclient(tmp_path: Path) -> None:
     assert path.read_bytes() == identity_model("FP32", [-1, -1])  # nothing written beside the model
 
 
-def test_a_gguf_file_is_refused_with_the_way_round(tmp_path: Path) -> None:
+def test_a_corrupt_gguf_file_fails_its_load_naming_the_file(tmp_path: Path) -> None:
+    """A .gguf file is served by the LLM backend (tests/e2e/test_llm_gguf.py serves a real one); a
+    corrupt one fails the load, named, and the server exits as --exit-on-error says."""
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
-    done = subprocess.run([sys.executable, "-m", "pier", "serve", str(path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 2 and "GGUF files do not load yet" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "pier", "serve", str(path), "--http-port=0", "--grpc-port=0",
+                           "--metrics-port=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "GGUF file model.gguf: cannot be read" in done.stderr, done.stderr
 
 
 SMOLLM2 = ROOT / "build" / "models" / "SmolLM2-135M-Instruct"

@@ -56,9 +56,20 @@ def test_a_model_folder_and_a_repository(tmp_path: Path) -> None:
         classify(tmp_path / "repo", "other")
 
 
+def test_a_gguf_file_or_a_folder_holding_one_is_served_by_the_llm_backend(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "smol.gguf").write_bytes(b"GGUF")
+    served = classify(tmp_path / "m" / "smol.gguf")
+    assert (served.kind, served.name) == (single_model.GGUF, "smol")
+    model = make_repository(served, tmp_path / "run") / "smol"
+    assert (model / "config.pbtxt").read_text() == 'backend: "llm"\n'
+    assert (model / "1" / "smol.gguf").resolve() == (tmp_path / "m" / "smol.gguf").resolve()
+    folder = classify(tmp_path / "m")
+    assert (folder.kind, folder.name) == (single_model.HF, "m")
+
+
 @pytest.mark.parametrize(("files", "message"), [
-    ({"model.gguf": b"GGUF"}, "GGUF files do not load yet"),
-    ({"notes.txt": b""}, "must be an .onnx model"),
+    ({"notes.txt": b""}, "must be an .onnx model or a .gguf file"),
 ])
 def test_files_it_cannot_serve_are_refused_with_the_way_round(tmp_path: Path, files: dict, message: str) -> None:
     for name, data in files.items():

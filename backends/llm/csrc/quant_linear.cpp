@@ -1,12 +1,16 @@
 // Weight-only quantized projections on CPU (float32 activations), reading the packed weight directly.
 //
-//   quant_linear(out, x, q, scales, zeros, bits, group)    out[M, N] = x[M, K] @ W^T
-//   quant_dequantize(out, q, scales, zeros, bits, group)   out[N, K] = W
+//   quant_linear(out, x, q, scales, zeros, bits, group, offset)    out[M, N] = x[M, K] @ W^T
+//   quant_dequantize(out, q, scales, zeros, bits, group, offset)   out[N, K] = W
 //
-// W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] with g = k / group: every format Pier loads
-// (online int8, GPTQ, AWQ, compressed-tensors, GGUF's 4- and 8-bit blocks) is brought to this one
-// form at load (layers/quantized.py). Each weight is computed in float exactly as that formula
-// reads, so the products equal a float matmul on the de-quantized weights up to summation order.
+// W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g] with g = k / group, or with `offset`
+// W[n, k] = q[n, k] * scales[n, g] + zeros[n, g] (a float min rather than an integer zero point:
+// GGUF's Q4_1, Q5_1, Q4_K and Q5_K, whose reader computes d * q + m). Every format Pier loads
+// (online int8, GPTQ, AWQ, compressed-tensors, GGUF's blocks; 5- and 6-bit codes in 8-bit
+// containers) is brought to this one form at load (layers/quantized.py). Each weight is computed in
+// float exactly as that formula reads (the offset form's product rounded before the add, never one
+// fused multiply-add: an empty asm keeps the compiler from contracting them), so the products equal a
+// float matmul on the de-quantized weights up to summation order.
 //
 // q is uint8 [N, K] for bits = 8, and for bits = 4 two values a byte in chunks of 32 along K:
 // byte j of a chunk holds k = j in its low nibble and k = 16 + j in its high one, so that one
@@ -54,16 +58,27 @@ __attribute__((always_inline)) static inline float hsum(v16 v) {
   return s;
 }
 
-// 16 consecutive weights of one output row: (q - z) * s.
-__attribute__((always_inline)) static inline v16 weights8(const uint8_t* q, float z, float s) {
-  return (to_float(load16u8(q)) - z) * s;
+// 16 weights from their codes as floats: (q - z) * s, or with `offset` q * s + z (rounded as two
+// operations: the asm makes the product a value the compiler cannot fuse into the add).
+__attribute__((always_inline)) static inline v16 dequant(v16 qf, float z, float s, bool offset) {
+  if (offset) {
+    v16 p = qf * s;
+    asm("" : "+m"(p));
+    return p + z;
+  }
+  return (qf - z) * s;
+}
+
+// 16 consecutive weights of one output row.
+__attribute__((always_inline)) static inline v16 weights8(const uint8_t* q, float z, float s, bool offset) {
+  return dequant(to_float(load16u8(q)), z, s, offset);
 }
 
 // One output row n against R rows of x: out[r][n] for r < R.
 template <int R>
 __attribute__((always_inline)) static inline void row_dot(const float* __restrict x, int64_t x_stride, const uint8_t* __restrict qrow,
                            const float* __restrict srow, const float* __restrict zrow, int64_t K, int64_t group,
-                           int bits, float* __restrict out, int64_t out_stride) {
+                           int bits, bool offset, float* __restrict out, int64_t out_stride) {
   v16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = v16{};
   const int64_t groups = K / group;
@@ -72,14 +87,14 @@ __attribute__((always_inline)) static inline void row_dot(const float* __restric
     const int64_t k0 = g * group;
     if (bits == 8) {
       for (int64_t k = k0; k < k0 + group; k += 16) {
-        const v16 w = weights8(qrow + k, z, s);
+        const v16 w = weights8(qrow + k, z, s, offset);
         for (int r = 0; r < R; ++r) acc[r] += w * load16(x + r * x_stride + k);
       }
     } else {
       for (int64_t k = k0; k < k0 + group; k += 32) {
         const v16u8 b = load16u8(qrow + k / 2);
-        const v16 lo = (to_float(b & 0xF) - z) * s;
-        const v16 hi = (to_float(b >> 4) - z) * s;
+        const v16 lo = dequant(to_float(b & 0xF), z, s, offset);
+        const v16 hi = dequant(to_float(b >> 4), z, s, offset);
         for (int r = 0; r < R; ++r) {
           acc[r] += lo * load16(x + r * x_stride + k);
           acc[r] += hi * load16(x + r * x_stride + k + 16);
@@ -91,8 +106,8 @@ __attribute__((always_inline)) static inline void row_dot(const float* __restric
 }
 
 PIER_CLONES void quant_rows(const float* x, int64_t M, int64_t x_stride, const uint8_t* q, const float* scales,
-                            const float* zeros, int64_t K, int64_t group, int bits, float* out, int64_t n0,
-                            int64_t n1, int64_t N) {
+                            const float* zeros, int64_t K, int64_t group, int bits, bool offset, float* out,
+                            int64_t n0, int64_t n1, int64_t N) {
   const int64_t row_bytes = K * bits / 8, groups = K / group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qrow = q + n * row_bytes;
@@ -100,22 +115,22 @@ PIER_CLONES void quant_rows(const float* x, int64_t M, int64_t x_stride, const u
     const float* zrow = zeros + n * groups;
     int64_t m = 0;
     for (; m + 8 <= M; m += 8)
-      row_dot<8>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N);
+      row_dot<8>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N);
     switch (M - m) {
-      case 7: row_dot<7>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 6: row_dot<6>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 5: row_dot<5>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 4: row_dot<4>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 3: row_dot<3>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 2: row_dot<2>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
-      case 1: row_dot<1>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, out + m * N + n, N); break;
+      case 7: row_dot<7>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 6: row_dot<6>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 5: row_dot<5>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 4: row_dot<4>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 3: row_dot<3>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 2: row_dot<2>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
+      case 1: row_dot<1>(x + m * x_stride, x_stride, qrow, srow, zrow, K, group, bits, offset, out + m * N + n, N); break;
       default: break;
     }
   }
 }
 
 PIER_CLONES void dequant_rows(float* out, const uint8_t* q, const float* scales, const float* zeros, int64_t K,
-                              int64_t group, int bits, int64_t n0, int64_t n1) {
+                              int64_t group, int bits, bool offset, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K * bits / 8, groups = K / group;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qrow = q + n * row_bytes;
@@ -124,11 +139,11 @@ PIER_CLONES void dequant_rows(float* out, const uint8_t* q, const float* scales,
       const float s = scales[n * groups + g], z = zeros[n * groups + g];
       for (int64_t k = g * group; k < (g + 1) * group; k += bits == 8 ? 16 : 32) {
         if (bits == 8) {
-          store16(orow + k, weights8(qrow + k, z, s));
+          store16(orow + k, weights8(qrow + k, z, s, offset));
         } else {
           const v16u8 b = load16u8(qrow + k / 2);
-          store16(orow + k, (to_float(b & 0xF) - z) * s);
-          store16(orow + k + 16, (to_float(b >> 4) - z) * s);
+          store16(orow + k, dequant(to_float(b & 0xF), z, s, offset));
+          store16(orow + k + 16, dequant(to_float(b >> 4), z, s, offset));
         }
       }
     }
@@ -141,12 +156,23 @@ PIER_CLONES void dequant_rows(float* out, const uint8_t* q, const float* scales,
 #define PIER_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #include <immintrin.h>
 
+// (q - z) * s, or with `offset` q * s + z, the product rounded before the add (see dequant above).
+PIER_AVX512 __attribute__((always_inline)) static inline __m512 dequant_512(__m512 qf, __m512 z, __m512 s,
+                                                                            bool offset) {
+  if (offset) {
+    __m512 p = _mm512_mul_ps(qf, s);
+    asm("" : "+v"(p));
+    return _mm512_add_ps(p, z);
+  }
+  return _mm512_mul_ps(_mm512_sub_ps(qf, z), s);
+}
+
 // W rows n .. n + NT - 1 against R rows of x: each weight vector is de-quantized once for R rows,
 // each x vector loaded once for NT weight rows.
 template <int R, int NT>
 PIER_AVX512 __attribute__((always_inline)) static inline void tile_512(
     const float* __restrict x, int64_t x_stride, const uint8_t* __restrict q, int64_t row_bytes,
-    const float* __restrict scales, const float* __restrict zeros, int64_t K, int64_t group, int bits,
+    const float* __restrict scales, const float* __restrict zeros, int64_t K, int64_t group, int bits, bool offset,
     float* __restrict out, int64_t out_stride) {
   __m512 acc[NT][R];
   for (int j = 0; j < NT; ++j)
@@ -165,7 +191,7 @@ PIER_AVX512 __attribute__((always_inline)) static inline void tile_512(
         __m512 w[NT];
         for (int j = 0; j < NT; ++j) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * row_bytes + k));
-          w[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), z[j]), s[j]);
+          w[j] = dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), z[j], s[j], offset);
         }
         for (int r = 0; r < R; ++r) {
           const __m512 xv = _mm512_loadu_ps(x + r * x_stride + k);
@@ -177,12 +203,9 @@ PIER_AVX512 __attribute__((always_inline)) static inline void tile_512(
         __m512 lo[NT], hi[NT];
         for (int j = 0; j < NT; ++j) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * row_bytes + k / 2));
-          lo[j] = _mm512_mul_ps(
-              _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nibble))), z[j]), s[j]);
-          hi[j] = _mm512_mul_ps(
-              _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nibble))),
-                            z[j]),
-              s[j]);
+          lo[j] = dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nibble))), z[j], s[j], offset);
+          hi[j] = dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nibble))),
+                              z[j], s[j], offset);
         }
         for (int r = 0; r < R; ++r) {
           const __m512 x0 = _mm512_loadu_ps(x + r * x_stride + k), x1 = _mm512_loadu_ps(x + r * x_stride + k + 16);
@@ -201,34 +224,34 @@ PIER_AVX512 __attribute__((always_inline)) static inline void tile_512(
 template <int NT>
 PIER_AVX512 __attribute__((always_inline)) static inline void rows_512(
     const float* x, int64_t M, int64_t x_stride, const uint8_t* q, int64_t row_bytes, const float* s, const float* z,
-    int64_t K, int64_t group, int bits, float* out, int64_t N) {
+    int64_t K, int64_t group, int bits, bool offset, float* out, int64_t N) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile_512<6, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N);
+  for (; m + 6 <= M; m += 6) tile_512<6, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N);
   switch (M - m) {
-    case 5: tile_512<5, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N); break;
-    case 4: tile_512<4, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N); break;
-    case 3: tile_512<3, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N); break;
-    case 2: tile_512<2, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N); break;
-    case 1: tile_512<1, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, out + m * N, N); break;
+    case 5: tile_512<5, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N); break;
+    case 4: tile_512<4, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N); break;
+    case 3: tile_512<3, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N); break;
+    case 2: tile_512<2, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N); break;
+    case 1: tile_512<1, NT>(x + m * x_stride, x_stride, q, row_bytes, s, z, K, group, bits, offset, out + m * N, N); break;
     default: break;
   }
 }
 
 PIER_AVX512 void quant_rows_512(const float* x, int64_t M, int64_t x_stride, const uint8_t* q, const float* scales,
-                                const float* zeros, int64_t K, int64_t group, int bits, float* out, int64_t n0,
-                                int64_t n1, int64_t N) {
+                                const float* zeros, int64_t K, int64_t group, int bits, bool offset, float* out,
+                                int64_t n0, int64_t n1, int64_t N) {
   const int64_t row_bytes = K * bits / 8, groups = K / group;
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4)
     rows_512<4>(x, M, x_stride, q + n * row_bytes, row_bytes, scales + n * groups, zeros + n * groups, K, group, bits,
-                out + n, N);
+                offset, out + n, N);
   for (; n < n1; ++n)
     rows_512<1>(x, M, x_stride, q + n * row_bytes, row_bytes, scales + n * groups, zeros + n * groups, K, group, bits,
-                out + n, N);
+                offset, out + n, N);
 }
 
 PIER_AVX512 void dequant_rows_512(float* out, const uint8_t* q, const float* scales, const float* zeros, int64_t K,
-                                  int64_t group, int bits, int64_t n0, int64_t n1) {
+                                  int64_t group, int bits, bool offset, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K * bits / 8, groups = K / group;
   const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
@@ -239,13 +262,12 @@ PIER_AVX512 void dequant_rows_512(float* out, const uint8_t* q, const float* sca
       for (int64_t k = g * group; k < (g + 1) * group; k += bits == 8 ? 16 : 32) {
         if (bits == 8) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k));
-          _mm512_storeu_ps(orow + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), z), s));
+          _mm512_storeu_ps(orow + k, dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), z, s, offset));
         } else {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qrow + k / 2));
           const __m128i lo = _mm_and_si128(b, nibble), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-          _mm512_storeu_ps(orow + k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), z), s));
-          _mm512_storeu_ps(orow + k + 16,
-                           _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), z), s));
+          _mm512_storeu_ps(orow + k, dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), z, s, offset));
+          _mm512_storeu_ps(orow + k + 16, dequant_512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), z, s, offset));
         }
       }
     }
@@ -260,8 +282,9 @@ bool has_avx512() {
 #else
 bool has_avx512() { return false; }
 void quant_rows_512(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, int64_t,
-                    int, float*, int64_t, int64_t, int64_t) {}
-void dequant_rows_512(float*, const uint8_t*, const float*, const float*, int64_t, int64_t, int, int64_t, int64_t) {}
+                    int, bool, float*, int64_t, int64_t, int64_t) {}
+void dequant_rows_512(float*, const uint8_t*, const float*, const float*, int64_t, int64_t, int, bool, int64_t,
+                      int64_t) {}
 #endif
 
 void check_packed(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t bits,
@@ -280,7 +303,7 @@ void check_packed(const at::Tensor& q, const at::Tensor& scales, const at::Tenso
 }
 
 void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                  const at::Tensor& zeros, int64_t bits, int64_t group) {
+                  const at::Tensor& zeros, int64_t bits, int64_t group, bool offset) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x must be float32 [M, K] with rows contiguous");
   const int64_t M = x.size(0), K = x.size(1);
@@ -300,14 +323,14 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& q, con
   const bool avx512 = has_avx512();
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     if (avx512)
-      quant_rows_512(xp, M, stride, qp, sp, zp, K, group, static_cast<int>(bits), op, b, e, N);
+      quant_rows_512(xp, M, stride, qp, sp, zp, K, group, static_cast<int>(bits), offset, op, b, e, N);
     else
-      quant_rows(xp, M, stride, qp, sp, zp, K, group, static_cast<int>(bits), op, b, e, N);
+      quant_rows(xp, M, stride, qp, sp, zp, K, group, static_cast<int>(bits), offset, op, b, e, N);
   });
 }
 
 void quant_dequantize(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros,
-                      int64_t bits, int64_t group) {
+                      int64_t bits, int64_t group, bool offset) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2,
               "quant_dequantize: out must be contiguous float32 [N, K]");
   const int64_t N = out.size(0), K = out.size(1);
@@ -321,17 +344,19 @@ void quant_dequantize(at::Tensor& out, const at::Tensor& q, const at::Tensor& sc
   const bool avx512 = has_avx512();
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     if (avx512)
-      dequant_rows_512(op, qp, sp, zp, K, group, static_cast<int>(bits), b, e);
+      dequant_rows_512(op, qp, sp, zp, K, group, static_cast<int>(bits), offset, b, e);
     else
-      dequant_rows(op, qp, sp, zp, K, group, static_cast<int>(bits), b, e);
+      dequant_rows(op, qp, sp, zp, K, group, static_cast<int>(bits), offset, b, e);
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pier_llm, m) {
-  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor zeros, int bits, int group) -> ()");
-  m.def("quant_dequantize(Tensor(a!) out, Tensor q, Tensor scales, Tensor zeros, int bits, int group) -> ()");
+  m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor q, Tensor scales, Tensor zeros, int bits, int group, "
+        "bool offset) -> ()");
+  m.def("quant_dequantize(Tensor(a!) out, Tensor q, Tensor scales, Tensor zeros, int bits, int group, bool offset) "
+        "-> ()");
   m.impl("quant_linear", c10::DispatchKey::CPU, &quant_linear);
   m.impl("quant_dequantize", c10::DispatchKey::CPU, &quant_dequantize);
 }

@@ -3,7 +3,9 @@ at load, and `PackedLinearMethod`, the `LinearMethod` (layers/linear.py) that ke
 
 W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g], g = k // group, with 4- or 8-bit values q: online
 int8 (symmetric per output row: zeros 128 over q + 128), GPTQ, AWQ and compressed-tensors
-(models/quantization.py unpacks each into this) all fit it. On CPU with float32 activations the
+(models/quantization.py unpacks each into this) all fit it; with `offset`, W[n, k] = q[n, k] *
+scales[n, g] + zeros[n, g] (a float min, not an integer zero point: GGUF's Q4_1, Q5_1, Q4_K and
+Q5_K, models/gguf_blocks.py; GGUF's 5- and 6-bit codes live in 8-bit containers). On CPU with float32 activations the
 product reads the packed bytes directly (csrc/quant_linear.cpp: de-quantized in registers, each weight
 computed as the formula reads, so the result equals a float matmul on the de-quantized weights up to
 summation order), at every row count: de-quantize-then-matmul was slower from 1 to 512 rows, and
@@ -42,7 +44,8 @@ def _values(q: torch.Tensor, bits: int) -> torch.Tensor:
 class PackedWeight:
     """A quantized [N, K] weight: `q` uint8 in the kernel's layout ([N, K] for 8 bits, [N, K / 2] for
     4), `scales` and `zeros` float32 [N, K / group]. `perm`: the input order the columns are stored
-    in (GPTQ's act-order: stored column j is input column perm[j]), None for the natural order."""
+    in (GPTQ's act-order: stored column j is input column perm[j]), None for the natural order.
+    `offset`: `zeros` holds mins added after the scaling (W = q * scales + zeros)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -51,10 +54,11 @@ class PackedWeight:
     group: int
     input_size: int
     perm: torch.Tensor | None = None
+    offset: bool = False
 
     @classmethod
     def from_values(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
-                    perm: torch.Tensor | None = None) -> PackedWeight:
+                    perm: torch.Tensor | None = None, offset: bool = False) -> PackedWeight:
         """From unpacked values [N, K] (0 .. 2^bits - 1, any integer dtype), scales and zeros [N, K / group]."""
         n, k = values.shape
         if bits not in (4, 8):
@@ -68,7 +72,7 @@ class PackedWeight:
                              f"{[n, k // group]}")
         v = values.to(torch.uint8)
         return cls(v.contiguous() if bits == 8 else _chunk_layout(v), scales.float().contiguous(),
-                   zeros.float().contiguous(), bits, group, k, perm)
+                   zeros.float().contiguous(), bits, group, k, perm, offset)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,8 +92,7 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the natural input order."""
-        idx = torch.arange(self.input_size, device=self.q.device) // self.group
-        w = (_values(self.q, self.bits).float() - self.zeros[:, idx]) * self.scales[:, idx]
+        w = _weights(self, torch.float32)
         if self.perm is not None:
             natural = torch.empty_like(w)
             natural[:, self.perm] = w
@@ -103,7 +106,7 @@ class PackedWeight:
         first = parts[0]
         if len(parts) == 1:
             return first
-        same = all(p.bits == first.bits and p.group == first.group and
+        same = all(p.bits == first.bits and p.group == first.group and p.offset == first.offset and
                    ((p.perm is None and first.perm is None) or
                     (p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm)))
                    for p in parts)
@@ -175,8 +178,13 @@ class PackedLinearMethod:
     def _matmul(self, p: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.empty((x.shape[0], p.q.shape[0]), dtype=torch.float32)
-            self.ops.quant_linear(out, x.contiguous(), p.q, p.scales, p.zeros, p.bits, p.group)
+            self.ops.quant_linear(out, x.contiguous(), p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
             return out
-        idx = torch.arange(p.input_size, device=p.q.device) // p.group
-        w = (_values(p.q, p.bits).to(x.dtype) - p.zeros[:, idx].to(x.dtype)) * p.scales[:, idx].to(x.dtype)
-        return torch.mm(x, w.t())
+        return torch.mm(x, _weights(p, x.dtype).t())
+
+
+def _weights(p: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [N, K] in stored column order, computed as the kernel computes it (in `dtype`)."""
+    idx = torch.arange(p.input_size, device=p.q.device) // p.group
+    q, s, z = _values(p.q, p.bits).to(dtype), p.scales[:, idx].to(dtype), p.zeros[:, idx].to(dtype)
+    return q * s + z if p.offset else (q - z) * s

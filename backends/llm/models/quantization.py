@@ -28,7 +28,7 @@ from ..layers.quantized import PackedLinearMethod, PackedWeight
 
 log = logging.getLogger(__name__)
 
-METHODS = ("int8", "gptq", "awq", "compressed-tensors")
+METHODS = ("int8", "gptq", "awq", "compressed-tensors", "gguf")
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 # the tensors of one quantized projection, by format (the prefix is the projection's name)
 _TENSORS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
@@ -38,13 +38,17 @@ _OPTIONAL = {"gptq": ("g_idx",), "compressed-tensors": ("weight_g_idx",)}
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """What runs: `method` (METHODS), `bits`, `group_size` (-1: one group per row)."""
+    """What runs: `method` (METHODS), `bits`, `group_size` (-1: one group per row); `types`: GGUF's
+    tensor types and counts ("Q4_1 x210, Q8_0 x1, F32 x61"), "" for the other methods."""
 
     method: str
     bits: int
     group_size: int
+    types: str = ""
 
     def describe(self) -> str:
+        if self.types:
+            return f"{self.method} (tensor types {self.types})"
         group = "per output channel" if self.group_size == -1 else f"group size {self.group_size}"
         return f"{self.method} ({self.bits}-bit weights, {group})"
 
@@ -134,7 +138,7 @@ def translate(weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig | Non
     """The checkpoint's tensors with each quantized projection's set (qweight, qzeros, ...) replaced
     by one `{prefix}.weight` PackedWeight; everything else passes through. ValueError naming the
     tensor where one is malformed or missing."""
-    if qc is None or qc.method == "int8":
+    if qc is None or qc.method in ("int8", "gguf"):  # GGUF's reader brings its blocks as PackedWeights
         yield from weights
         return
     names, optional = _TENSORS[qc.method], _OPTIONAL.get(qc.method, ())

@@ -18,7 +18,7 @@ from pier.contract.backend import LoadProgress
 
 from .. import kernels
 from ..kv_fp8 import checkpoint_kv_scales
-from . import quantization
+from . import gguf, quantization
 from .hf_config import ArchConfig, read_config
 from .interface import CausalLM
 from .loader import iter_weights
@@ -56,13 +56,26 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 
 def resolve_quantization(folder: Path, setting: str | None) -> QuantConfig | None:
-    """The weight quantization that runs for the checkpoint in `folder` under the `quantization` setting."""
-    return quantization.resolve(setting, read_config(folder))
+    """The weight quantization that runs for the checkpoint in `folder` under the `quantization` setting
+    (a GGUF file's: its tensors' own types, models/gguf.py)."""
+    path = gguf.find(folder)
+    if path is None:
+        return quantization.resolve(setting, read_config(folder))
+    if setting not in (None, "gguf"):
+        raise ValueError(f"quantization {setting!r}: {path.name} is a GGUF file, whose tensors say how they are "
+                         "stored (leave quantization unset, or 'gguf')")
+    return gguf.quant_config(path)
+
+
+def raw_config(folder: Path) -> dict[str, Any]:
+    """config.json's fields: the file's own, or a GGUF file's metadata as those fields."""
+    path = gguf.find(folder)
+    return read_config(folder) if path is None else gguf.config(path)
 
 
 def resolve(folder: Path) -> tuple[type[CausalLM], ArchConfig]:
     """The model class and its normalised config for the checkpoint in `folder`."""
-    raw = read_config(folder)
+    raw = raw_config(folder)
     archs: Any = raw.get("architectures") or [_DEFAULT]
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise ValueError(f"config.json: architectures must be a list of names, got {archs!r}")
@@ -74,7 +87,7 @@ def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: tor
                max_positions: int, progress: Callable[[LoadProgress], None] | None = None,
                prepare: Callable[[CausalLM], None] | None = None, quant: QuantConfig | None = None,
                kv_scales: dict[int, dict[str, float]] | None = None) -> CausalLM:
-    """Build `cls` and load the folder's safetensors into it (`progress`: loader.iter_weights');
+    """Build `cls` and load the folder's safetensors (or GGUF file) into it (`progress`: loader.iter_weights');
     `prepare` sees the model built, before its weights (a tensor-parallel rank's split, parallel/shard.py);
     with `quant`, its decoder projections are packed (models/quantization.py); `kv_scales` receives
     the checkpoint's per-layer KV cache scales (kv_fp8.checkpoint_kv_scales)."""
@@ -84,7 +97,8 @@ def load_model(folder: Path, cls: type[CausalLM], config: ArchConfig, dtype: tor
     if quant is not None:
         ops = kernels.load() if device.type == "cpu" else None
         projections = quantization.apply(model, quant, ops)
-    weights = iter_weights(folder, progress)
+    path = gguf.find(folder)
+    weights = iter_weights(folder, progress) if path is None else gguf.iter_weights(path, config.raw)
     if kv_scales is not None:
         weights = checkpoint_kv_scales(weights, kv_scales)
     model.load_weights(quantization.translate(weights, quant))

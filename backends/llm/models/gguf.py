@@ -1,0 +1,217 @@
+"""A GGUF checkpoint (llama.cpp's one-file format, read with gguf-py, the `gguf` package llama.cpp
+publishes): a `.gguf` file in the model folder is the whole model, no config.json or tokenizer.json
+beside it.
+
+- `config`: the file's metadata (`{arch}.block_count`, `.embedding_length`, ...) as the config.json
+  fields models/hf_config.py reads, as transformers' GGUF loader maps them;
+- `tokenizer`: `tokenizer.ggml.*` (a BPE vocabulary and merges, `tokenizer.ggml.model` "gpt2") as a
+  `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp picks for `tokenizer.ggml.pre`, and the
+  chat template and BOS/EOS the metadata carries;
+- `iter_weights`: the tensors under the Hugging Face names the model files load (`blk.0.attn_q` ->
+  `model.layers.0.self_attn.q_proj`), Llama's q/k rows back in Hugging Face's RoPE order (llama.cpp's
+  converter interleaves them); projections in a quantized block type as `PackedWeight`s
+  (models/gguf_blocks.py: the blocks' codes and scales, not de-quantized), float types and the
+  token embedding as float32 (gguf-py's de-quantization: the embedding is looked up by row, and a
+  tied LM head multiplies it).
+
+A file that cannot be read, a tensor of a type not listed in gguf_blocks, or a malformed one fails
+the load with a ValueError naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .gguf_blocks import BLOCK_TYPES, FLOAT_TYPES, pack
+from .quantization import QuantConfig
+
+log = logging.getLogger(__name__)
+
+# GGUF's general.architecture -> the Hugging Face architecture that serves it
+_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+# tokenizer.ggml.pre -> does llama.cpp split digits one by one before its GPT-2 expression
+# (llama-vocab.cpp: SMOLLM, STARCODER, REFACT, COMMAND_R, CODESHELL, EXAONE, MINERVA)
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type
+
+
+def find(folder: Path) -> Path | None:
+    """The folder's GGUF file when it holds one and no safetensors weights; ValueError for several."""
+    files = sorted(folder.glob("*.gguf"))
+    if not files or any(folder.glob("*.safetensors")):
+        return None
+    if len(files) > 1:
+        raise ValueError(f"{folder}: several GGUF files ({', '.join(f.name for f in files)}); keep one per version "
+                         "folder")
+    return files[0]
+
+
+def open_file(path: Path) -> Any:
+    """gguf-py's reader (memory-mapped); ValueError naming the file when it cannot be read."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - gguf-py raises ValueError, struct.error, IndexError...
+        raise ValueError(f"GGUF file {path.name}: cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config(path: Path) -> dict[str, Any]:
+    """config.json's fields from the file's metadata (transformers' GGUF mapping)."""
+    r = open_file(path)
+    arch = _field(r, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF file {path.name}: architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(sorted(_ARCHITECTURES))}")
+    scaling = _field(r, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF file {path.name}: {arch}.rope.scaling.type {scaling!r} is not supported")
+
+    def need(key: str) -> Any:
+        value = _field(r, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF file {path.name}: metadata {arch}.{key} missing")
+        return value
+
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    tokens = _field(r, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in r.tensors}
+    raw: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]], "model_type": arch,
+        "vocab_size": int(_field(r, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(r, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(r, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return raw
+
+
+def tensor_types(path: Path) -> Counter[str]:
+    """How many tensors of each GGML type the file holds."""
+    return Counter(t.tensor_type.name for t in open_file(path).tensors)
+
+
+def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
+    """(a `tokenizers.Tokenizer`, tokenizer_config.json's fields: bos/eos tokens, add_bos_token,
+    chat_template) from the metadata."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    r = open_file(path)
+    kind = _field(r, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF file {path.name}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', "
+                         "byte-level BPE)")
+    tokens: list[str] = list(_field(r, "tokenizer.ggml.tokens") or [])
+    types: list[int] = list(_field(r, "tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges") or []]
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = _field(r, "tokenizer.ggml.pre", "default")
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
+                         if pre in _DIGITS_FIRST else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types, strict=False) if k == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED])
+
+    def text(key: str) -> str | None:
+        i = _field(r, key)
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    cfg = {"bos_token": text("tokenizer.ggml.bos_token_id"), "eos_token": text("tokenizer.ggml.eos_token_id"),
+           "unk_token": text("tokenizer.ggml.unknown_token_id"), "pad_token": text("tokenizer.ggml.padding_token_id"),
+           "add_bos_token": bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+           "chat_template": _field(r, "tokenizer.chat_template")}
+    return tok, cfg
+
+
+def _hf_name(name: str) -> str | None:
+    stem, _, leaf = name.rpartition(".")
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{leaf}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}"
+    return None
+
+
+def _rope_rows(heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """llama.cpp's converter interleaves each head's q/k rows (permute); this undoes it, as
+    transformers' reverse_permute_weights does, on any row-wise tensor [N, ...]."""
+    def undo(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    return undo
+
+
+def _float(t: Any) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    shape = [int(v) for v in reversed(t.shape)]
+    return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+
+
+def iter_weights(path: Path, raw: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, float32 tensor or PackedWeight) for every tensor the model files load."""
+    r = open_file(path)
+    heads = {"q_proj": int(raw["num_attention_heads"]), "k_proj": int(raw["num_key_value_heads"])}
+    for t in r.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        kind = t.tensor_type.name
+        try:
+            if kind not in FLOAT_TYPES and kind not in BLOCK_TYPES:
+                raise ValueError(f"type {kind} is not supported; supported: {', '.join((*FLOAT_TYPES, *BLOCK_TYPES))}")
+            projection = name.endswith("_proj.weight")
+            if kind in FLOAT_TYPES or not projection:
+                value: Any = _float(t)
+            else:
+                cols, rows = (int(v) for v in t.shape)
+                value = pack(kind, t.data, rows, cols)
+            proj = name.rsplit(".", 2)[-2]
+            if proj in heads:
+                undo = _rope_rows(heads[proj])
+                value = undo(value) if isinstance(value, torch.Tensor) else value.map_rows(undo)
+        except (ValueError, RuntimeError, IndexError, KeyError) as exc:
+            raise ValueError(f"GGUF file {path.name}, tensor {t.name}: {exc}") from None
+        yield name, value
+
+
+_CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
+              "F16": 16, "BF16": 16, "F32": 32}
+
+
+def quant_config(path: Path) -> QuantConfig:
+    """What runs: method gguf, the narrowest code width among the tensors, and the tensor types with
+    their counts for the startup log and vllm:cache_config_info ("Q4_1 x210, F32 x61, Q8_0 x1")."""
+    types = tensor_types(path)
+    bits = min((_CODE_BITS.get(k, 32) for k in types), default=32)
+    return QuantConfig("gguf", bits, 32, ", ".join(f"{k} x{n}" for k, n in types.most_common()))

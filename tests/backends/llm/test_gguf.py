@@ -1,0 +1,104 @@
+"""GGUF checkpoints (issue 34, part 2): a .gguf file alone in the folder loads, its projections kept in
+their blocks (PackedWeight: the blocks' codes and scales), and Pier's greedy output equals transformers
+loading the same file (which de-quantizes it to float32), token for token, for every block type; the
+de-quantized weights equal gguf-py's bit for bit; a corrupt file or an unsupported tensor type fails
+the load naming the file and the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pier.backends.llm.config import EngineConfig
+from pier.backends.llm.engine import LLMEngine
+from pier.backends.llm.layers.quantized import PackedWeight
+from pier.backends.llm.sampling_params import SamplingParams
+
+from .gguf_files import TEMPLATE, TYPES, write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# type -> (bits of the kernel's container, group, offset form); None: kept as floats
+LAYOUT = {"F32": None, "F16": None, "BF16": None, "Q8_0": (8, 32, False), "Q4_0": (4, 32, False),
+          "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True), "Q4_K": (4, 32, True),
+          "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
+
+
+def _hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_block_type_equals_transformers_on_the_same_file(tmp_path, prompts, kind):
+    folder = tmp_path / kind
+    write_gguf(folder / "model.gguf", kind, embedding="Q8_0" if kind == "Q4_1" else "F32")
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12)
+    packed = [lin.weight for layer in eng.model.layers for lin in layer.linears  # type: ignore[attr-defined]
+              if isinstance(lin.weight, PackedWeight)]
+    if LAYOUT[kind] is None:
+        assert packed == []
+    else:  # 2 layers x (qkv, o, gate_up, down), every one in its blocks' codes
+        assert len(packed) == 8 and {(p.bits, p.group, p.offset) for p in packed} == {LAYOUT[kind]}
+    info = eng.cache_config_info()
+    assert info["quantization"] == "gguf" and f"{kind} x" in info["weight_types"]
+
+
+@pytest.mark.parametrize("kind", [k for k in TYPES if LAYOUT[k] is not None])
+def test_packed_blocks_dequantize_to_gguf_py_bit_for_bit(tmp_path, kind):
+    """The kernel's weight (codes, scales and mins as packed) is gguf-py's de-quantized float, exactly;
+    and the kernel's product is a float matmul on it up to summation order."""
+    from pier.backends.llm import kernels
+    from pier.backends.llm.models.gguf_blocks import pack
+
+    path = write_gguf(tmp_path / "model.gguf", kind, seed=3)
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+    cols, rows = (int(v) for v in t.shape)
+    p = pack(kind, t.data, rows, cols)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    assert torch.equal(p.dequantize(), want)
+    ops = kernels.load()
+    if ops is not None:
+        x = torch.randn(5, cols)
+        out = torch.empty(5, rows)
+        ops.quant_linear(out, x, p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
+        torch.testing.assert_close(out, x @ want.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_metadata_carries_tokenizer_and_chat_template(tmp_path):
+    folder = tmp_path / "m"
+    write_gguf(folder / "model.gguf", "Q8_0")
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    tok = eng.tokenizer
+    assert tok.chat_template == TEMPLATE and (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi there"}])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == 1 and 2 in ids and tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == "user\nhi there\nassistant\n"  # the control tokens are special
+
+
+def test_a_corrupt_file_or_an_unsupported_type_names_file_and_tensor(tmp_path):
+    folder = tmp_path / "m"
+    path = write_gguf(folder / "model.gguf", "Q4_0")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"GGUF file model\.gguf: cannot be read"):
+        LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    write_gguf(path, "Q4_0", types={"blk.1.ffn_up.weight": "Q2_K"})
+    with pytest.raises(ValueError, match=r"GGUF file model\.gguf, tensor blk\.1\.ffn_up\.weight: type Q2_K is not "
+                                         r"supported"):
+        LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
