@@ -4,7 +4,8 @@
 # providers; a TensorRT engine built from the mlp_onnx example by scripts/build_trt_engine.py,
 # served by Pier (tensorrt_plan) and compared with onnxruntime; the TorchScript example on CUDA
 # compared with the CPU; the LLM engine on CUDA (greedy tokens vs transformers on the same GPU,
-# and under swap preemption), and in its own process (device auto: CUDA there; kill -9, restart).
+# and under swap preemption), and in its own process (device auto: CUDA there; kill -9, restart);
+# FP8 checkpoints on CUDA (block-wise weight-only vs transformers; torch._scaled_mm W8A8 on sm89+).
 # Then the frontend-processes table on the machine's cores (issue 22, where perf_analyzer is there),
 # and the GPU text_embedding table (issue 3): bench/text_embedding_gpu.py, Pier with and without
 # dynamic batching vs the module called directly on the GPU; its files go to $OUT when set.
@@ -47,6 +48,7 @@ LOG=/tmp/pier_gpu_check.log
 "$PY" -m pytest -q -rA tests/backends/test_onnxruntime_gpu.py tests/backends/test_tensorrt.py \
     "tests/backends/test_pytorch.py::test_example_mlp_on_cuda_matches_cpu" \
     "tests/backends/llm/test_engine_greedy.py::test_cuda_matches_transformers_on_cuda" \
+    "tests/backends/llm/test_quantization_fp8.py::test_fp8_on_cuda" \
     "tests/backends/llm/test_tensor_parallel.py::test_nccl_two_gpus_equal_one" \
     tests/backends/llm/test_engine_core.py > "$LOG" 2>&1
 # The engine builder's command line too (the tests call the same build_engine function).

@@ -25,7 +25,7 @@ _PREEMPTION_MODES = ("recompute", "swap")
 _ATTENTION = ("auto", "torch")
 # vLLM's kv_cache_dtype values: "auto" (the model's dtype), or an FP8 cache (kv_fp8.py; "fp8" = E4M3)
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_QUANTIZATION = ("int8", "gptq", "awq", "compressed-tensors", "gguf")  # models/quantization.METHODS
+_QUANTIZATION = ("int8", "gptq", "awq", "compressed-tensors", "gguf", "fp8")  # models/quantization.METHODS
 
 
 @dataclass(frozen=True)

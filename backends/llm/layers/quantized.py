@@ -12,6 +12,10 @@ summation order), at every row count: de-quantize-then-matmul was slower from 1 
 the fused kernel beats the float weight below about 16 rows, where decoding is bound by memory
 (bench/results/quant_kernels.md). Elsewhere (CUDA, 16-bit activations, no compiler) the weight is
 de-quantized per call in torch: correct, not fast.
+
+FP8 checkpoints (`fp8`: E4M3 codes, W[n, k] = e4m3(q[n, k]) * scales[n, g], zeros 0) are held in the same
+form, their block or per-tensor scales repeated per output row (so fused slices and RoPE's row order
+keep working); layers/fp8.py multiplies them (torch._scaled_mm on CUDA sm89+, else de-quantized per call).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from . import fp8 as fp8_ops
 
 
 def _chunk_layout(values: torch.Tensor) -> torch.Tensor:
@@ -45,7 +51,9 @@ class PackedWeight:
     """A quantized [N, K] weight: `q` uint8 in the kernel's layout ([N, K] for 8 bits, [N, K / 2] for
     4), `scales` and `zeros` float32 [N, K / group]. `perm`: the input order the columns are stored
     in (GPTQ's act-order: stored column j is input column perm[j]), None for the natural order.
-    `offset`: `zeros` holds mins added after the scaling (W = q * scales + zeros)."""
+    `offset`: `zeros` holds mins added after the scaling (W = q * scales + zeros).
+    `fp8`: q holds FP8 E4M3 codes ([N, K] bytes; zeros all 0); `input_scale`: a checkpoint's static
+    activation scale (FP8 only; used where the activations are quantized too, layers/fp8.py)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -55,6 +63,8 @@ class PackedWeight:
     input_size: int
     perm: torch.Tensor | None = None
     offset: bool = False
+    fp8: bool = False
+    input_scale: torch.Tensor | None = None
 
     @classmethod
     def from_values(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
@@ -74,6 +84,19 @@ class PackedWeight:
         return cls(v.contiguous() if bits == 8 else _chunk_layout(v), scales.float().contiguous(),
                    zeros.float().contiguous(), bits, group, k, perm, offset)
 
+    @classmethod
+    def from_fp8(cls, weight: torch.Tensor, scales: torch.Tensor, group: int,
+                 input_scale: torch.Tensor | None = None) -> PackedWeight:
+        """From an FP8 E4M3 weight [N, K] and its scales per output row and input group [N, K / group]."""
+        n, k = weight.shape
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"weight has dtype {weight.dtype}, expected torch.float8_e4m3fn")
+        if k % group or tuple(scales.shape) != (n, k // group):
+            raise ValueError(f"scales of shape {list(scales.shape)} do not fit a [{n}, {k}] weight in groups of "
+                             f"{group}")
+        return cls(weight.contiguous().view(torch.uint8), scales.float().contiguous(), torch.zeros(n, k // group), 8,
+                   group, k, fp8=True, input_scale=None if input_scale is None else input_scale.float().reshape(()))
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.input_size)
@@ -83,7 +106,8 @@ class PackedWeight:
         if device is None:
             return self
         return replace(self, q=self.q.to(device), scales=self.scales.to(device), zeros=self.zeros.to(device),
-                       perm=None if self.perm is None else self.perm.to(device))
+                       perm=None if self.perm is None else self.perm.to(device),
+                       input_scale=None if self.input_scale is None else self.input_scale.to(device))
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedWeight:
         """The same weight with its output rows reordered or selected by `fn` (a row-wise function
@@ -92,6 +116,8 @@ class PackedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the natural input order."""
+        if self.fp8:
+            return fp8_ops.dequantize(self.q, self.scales, self.group, dtype)
         w = _weights(self, torch.float32)
         if self.perm is not None:
             natural = torch.empty_like(w)
@@ -107,13 +133,16 @@ class PackedWeight:
         if len(parts) == 1:
             return first
         same = all(p.bits == first.bits and p.group == first.group and p.offset == first.offset and
+                   p.fp8 == first.fp8 and
                    ((p.perm is None and first.perm is None) or
                     (p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm)))
                    for p in parts)
         if not same:
             return torch.cat([p.dequantize() for p in parts])
+        inputs = [p.input_scale for p in parts if p.input_scale is not None]  # one for the fused input: vLLM's max
         return replace(first, q=torch.cat([p.q for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                       zeros=torch.cat([p.zeros for p in parts]))
+                       zeros=torch.cat([p.zeros for p in parts]),
+                       input_scale=torch.stack(inputs).amax() if len(inputs) == len(parts) else None)
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +205,8 @@ class PackedLinearMethod:
         return out
 
     def _matmul(self, p: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        if p.fp8:
+            return fp8_ops.fp8_matmul(p.q, p.scales, p.group, p.input_scale, x)
         if self.ops is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             out = torch.empty((x.shape[0], p.q.shape[0]), dtype=torch.float32)
             self.ops.quant_linear(out, x.contiguous(), p.q, p.scales, p.zeros, p.bits, p.group, p.offset)

@@ -144,3 +144,68 @@ _QCONFIG: dict[str, Callable[[int, int, bool, bool], dict]] = {
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
             "num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}}}},
 }
+
+
+# FP8 checkpoints: (quant_method or compressed-tensors strategy, scale tensor name, static activations)
+FP8_STYLES = {
+    "fp8-block": "vLLM's / DeepSeek's `fp8` with weight_block_size: weight_scale_inv per tile",
+    "fp8-tensor-static": "vLLM's `fp8`, per-tensor weight_scale and input_scale (activation_scheme static)",
+    "ct-fp8-channel": "compressed-tensors float-quantized, per-channel weight_scale, dynamic per-token activations",
+    "ct-fp8-block": "compressed-tensors float-quantized, block strategy, weight_scale per tile",
+}
+E4M3_MAX = 448.0
+
+
+def _fp8_quantize(w: torch.Tensor, style: str, block: tuple[int, int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 weight [N, K], scale tensor as the style stores it, each weight's scale [N, K]): scale =
+    max |w| / 448 per tile, tensor or row; the codes are w / scale rounded by torch's float8 conversion."""
+    n, k = w.shape
+    if style.endswith("block"):
+        bn, bk = block
+        rows = -(-n // bn)
+        scale = torch.stack([torch.stack([w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().amax()
+                                          for j in range(k // bk)]) for i in range(rows)]) / E4M3_MAX
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)
+    elif style.endswith("channel"):
+        scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+        full = scale.expand(n, k)
+    else:
+        scale = (w.abs().amax() / E4M3_MAX).reshape(1)
+        full = scale.expand(n, k)
+    return (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale.float(), full.float()
+
+
+def fp8_pair(src: Path, out: Path, style: str, block: tuple[int, int] = (48, 32)) -> tuple[Path, Path]:
+    """(FP8 folder, de-quantized reference folder) of the float model in `src`, `style` a key of
+    FP8_STYLES; `block` (rows, columns) for the block styles (48 rows: some projections end in a
+    partial tile, as ceil(out / rows) tiles)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not is_projection(name):
+            quantized[name] = reference[name] = w
+            continue
+        prefix = name[: -len(".weight")]
+        q, scale, full = _fp8_quantize(w, style, block)
+        reference[name] = q.float() * full
+        quantized[f"{prefix}.weight"] = q
+        quantized[f"{prefix}.{'weight_scale_inv' if style == 'fp8-block' else 'weight_scale'}"] = scale
+        if style == "fp8-tensor-static":
+            quantized[f"{prefix}.input_scale"] = torch.tensor([0.05])
+    if style.startswith("fp8"):
+        qconfig: dict = {"quant_method": "fp8", "fmt": "e4m3",
+                         "activation_scheme": "static" if style.endswith("static") else "dynamic"}
+        if style.endswith("block"):
+            qconfig["weight_block_size"] = list(block)
+    else:
+        weights: dict = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                         "strategy": "block" if style.endswith("block") else "channel"}
+        if style.endswith("block"):
+            weights["block_structure"] = list(block)
+        qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                       "num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}}}}
+    return (_copy_folder(src, out / style, quantized, qconfig),
+            _copy_folder(src, out / f"{style}-dequantized", reference, None))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -174,3 +175,19 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def engine_prompt_logprobs(eng: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob after the tokens before it (from the second token on), from a
+    Pier engine (`prompt_logprobs`, one decode step each)."""
+    from pier.backends.llm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"plp{i}", prompt, params)
+    got: dict[str, list[float]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.prompt_logprobs is not None:
+                got[out.request_id] = [lp for _, lp, _ in out.prompt_logprobs[1:]]
+    return [got[f"plp{i}"] for i in range(len(prompts))]
