@@ -4,6 +4,7 @@ and accept tritonserver's `--flag=value` spelling (booleans: true/false/1/0)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -226,6 +227,12 @@ def _backend_config(values: list[str], parser: argparse.ArgumentParser) -> tuple
     return tuple(ignored)
 
 
+# Commands a backend contributes, named by module as backend_registry names backends (the server
+# imports no backend): each module has add_parser(sub) and run(args) -> exit code. Its top-level
+# imports stay light (every `pier` invocation builds its parser).
+BACKEND_COMMANDS = {"tp-worker": "pier.backends.llm.parallel.tp_worker"}  # a tensor-parallel rank elsewhere
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pier", description="Pier model server", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"pier {__version__}")
@@ -234,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pier import model_cli
 
     model_cli.add_parser(sub)
+    for module in BACKEND_COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -370,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         from pier import model_cli
 
         return model_cli.run(args)
+    if args.command in BACKEND_COMMANDS:
+        return int(importlib.import_module(BACKEND_COMMANDS[args.command]).run(args))
     parser.error(f"unknown command {args.command}")
     return 2
 

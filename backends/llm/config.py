@@ -132,6 +132,23 @@ class ParallelConfig:
     # engine-core process is rank 0 and starts the others. `num_threads`, when set, is per rank; unset,
     # each rank takes an equal share of the machine's threads.
     tensor_parallel_size: int = 1
+    # Several machines (vLLM's names, parallel/remote.py): the group spans `nnodes` machines, N / nnodes
+    # ranks each; this server's machine runs ranks 0..N/nnodes-1 and waits for the others to join
+    # (`pier tp-worker`) at master_addr: the torch.distributed store on master_port, the step channel
+    # on master_port + 1, for `distributed_timeout_seconds` (None: 600 s) before its load fails.
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    distributed_timeout_seconds: int | None = None
+
+    @property
+    def local_ranks(self) -> int:
+        """How many ranks run on this server's machine (rank 0 and its children)."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def join_timeout_s(self) -> float:
+        return float(self.distributed_timeout_seconds or 600)
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "thread"):
@@ -141,6 +158,16 @@ class ParallelConfig:
         if self.tensor_parallel_size > 1 and self.engine_core != "process":
             raise ValueError("tensor_parallel_size > 1 needs engine_core 'process': the engine-core process is "
                              "rank 0 of the group (a server process cannot be a rank)")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must be at least 1 and divide tensor_parallel_size "
+                             f"({self.tensor_parallel_size}): each machine runs as many ranks")
+        if not 1 <= self.master_port <= 65534:
+            raise ValueError(f"master_port must be between 1 and 65534 (the step channel is on master_port + 1), "
+                             f"got {self.master_port}")
+        if not self.master_addr:
+            raise ValueError("master_addr must name this machine's address the other machines reach")
+        if self.distributed_timeout_seconds is not None and self.distributed_timeout_seconds < 1:
+            raise ValueError(f"distributed_timeout_seconds must be at least 1, got {self.distributed_timeout_seconds}")
         if self.num_threads is not None and not 1 <= self.num_threads <= MAX_THREADS:
             raise ValueError(f"num_threads must be between 1 and {MAX_THREADS}")
 
@@ -305,6 +332,8 @@ def _parse(name: str, text: str) -> object:
     if name in ("dtype", "device", "preemption_mode", "attention", "scheduling_policy", "generation_config",
                 "engine_core", "kv_cache_dtype"):
         return text.lower()
+    if name == "master_addr":
+        return text
     if name in ("enable_prefix_caching", "enable_lora"):
         low = text.lower()
         if low not in ("true", "false", "1", "0", "yes", "no"):
@@ -316,6 +345,7 @@ def _parse(name: str, text: str) -> object:
         return int(float(text))
     if name == "quantization":
         return text.lower() or None
-    if name in ("max_model_len", "num_threads", "max_tokens_cap", "max_cpu_loras"):
+    if name in ("max_model_len", "num_threads", "max_tokens_cap", "max_cpu_loras",
+                "distributed_timeout_seconds"):
         return int(text) if text else None
     return int(text)

@@ -158,6 +158,8 @@ class EngineCoreClient(EngineClient):
             for event in self._events(core, lambda exc, data: child.refuse(RuntimeError(str(exc)))):
                 if isinstance(event, cm.Progress):
                     self._on_progress(event.progress)
+                    if child.generation > 1 and self._dead:  # restarting: UNAVAILABLE says how it goes
+                        self._on_health(f"{self._dead}; restarting: {event.progress}")
                 elif isinstance(event, cm.Ready):
                     core.ready = event
                     child.ready()

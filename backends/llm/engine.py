@@ -85,15 +85,16 @@ def _dtypes(name: str, device: torch.device, folder: Path) -> tuple[torch.dtype,
 
 
 def _device(cfg: ParallelConfig, rank: int = 0) -> torch.device:
-    """The configured device; under tensor parallelism on CUDA, rank r's is `cuda:r` (one GPU per rank)."""
+    """The configured device; under tensor parallelism on CUDA, rank r's is `cuda:<r on its machine>`
+    (one GPU per rank, `local_ranks` ranks on each machine)."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-    n = cfg.tensor_parallel_size
-    if device.type != "cuda" or n == 1:
+    n = cfg.local_ranks
+    if device.type != "cuda" or cfg.tensor_parallel_size == 1:
         return device
     if torch.cuda.device_count() < n:
-        raise ValueError(f"tensor_parallel_size {n} needs {n} CUDA devices (one per rank), this machine has "
-                         f"{torch.cuda.device_count()}")
-    return torch.device("cuda", rank)
+        raise ValueError(f"tensor_parallel_size {cfg.tensor_parallel_size} on {cfg.nnodes} machine(s) needs {n} "
+                         f"CUDA devices on each (one per rank), this machine has {torch.cuda.device_count()}")
+    return torch.device("cuda", rank % n)
 
 
 def _kv_budget(cfg: CacheConfig, device: torch.device) -> int:
@@ -187,7 +188,7 @@ class LLMEngine:
                                  "(the n-gram method is)")
             group = ParallelGroup(0, par.tensor_parallel_size, self.device)
             self.executor = TensorParallelExecutor(folder, cfg, group, self.eos_ids, threads, self.max_model_len,
-                                                   socket_folder)
+                                                   socket_folder, progress)
         try:
             self.runner = build_runner(folder, cfg, model_cls, mc, self.device, self.max_model_len, self.eos_ids,
                                        progress, group)

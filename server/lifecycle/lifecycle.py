@@ -297,9 +297,12 @@ class ModelLifecycle:
         if record is None or vr is None or vr.loaded is not model:
             return
         down = bool(sick) and len(sick) >= max(len(model.instances), 1)
+        reason = "; ".join(sorted(set(sick.values())))
         if down and vr.state is ModelState.READY:
-            vr.state, vr.reason = ModelState.UNAVAILABLE, "; ".join(sorted(set(sick.values())))
+            vr.state, vr.reason = ModelState.UNAVAILABLE, reason
             log.error("'%s' version %d is UNAVAILABLE: %s", record.name, version, vr.reason)
+        elif down and vr.state is ModelState.UNAVAILABLE and vr.reason != reason:  # e.g. how its restart goes
+            vr.reason = reason
         elif not down and vr.state is ModelState.UNAVAILABLE:
             vr.state, vr.reason = ModelState.READY, ""
             log.info("'%s' version %d is READY again", record.name, version)

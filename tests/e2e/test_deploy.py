@@ -111,6 +111,30 @@ def test_chart_lints_and_every_rendering_validates(tools, tmp_path: Path) -> Non
     assert _run([tools["crd-validate"], str(bad)]).returncode != 0
 
 
+def test_the_multi_machine_manifests_validate(tools, tmp_path: Path) -> None:
+    """deploy/multinode (docs/llm.md "Several machines"): the StatefulSet variant strictly, and the
+    LeaderWorkerSet's leader and worker pod templates as Pods (no LWS CRD offline), each running
+    the `pier` commands that exist: `serve` on rank 0, `tp-worker` on the others."""
+    folder = ROOT / "deploy" / "multinode"
+    docs = [tmp_path / "statefulset.yaml"]
+    docs[0].write_text((folder / "statefulset.yaml").read_text())
+    lws = yaml.safe_load((folder / "leaderworkerset.yaml").read_text())
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["kind"] == "LeaderWorkerSet" and template["size"] == 2
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()}, "spec": template[role]["spec"]}
+        docs.append(tmp_path / f"{role}.yaml")
+        docs[-1].write_text(yaml.safe_dump(pod))
+    assert [c["args"][0] for r in ("leaderTemplate", "workerTemplate") for c in template[r]["spec"]["containers"]] \
+        == ["serve", "tp-worker"]
+    out = _run([tools["kubernetes-validate"], "--strict", "-k", "1.35.0", *map(str, docs)])
+    assert out.returncode == 0 and "ERROR" not in out.stdout + out.stderr, (out.stdout, out.stderr)
+    from pier.cli import build_parser  # the commands the manifests run parse
+
+    build_parser().parse_args(["tp-worker", "--master-port=29501"])
+    build_parser().parse_args(["tp-worker", "--master-addr=pier-llm-0.pier-llm", "--master-port=29501", "--rank=1"])
+
+
 def test_rolling_updates_keep_capacity(tools) -> None:
     """A new pod is ready before an old one goes (maxUnavailable 0), unless the values say otherwise."""
     deploy = next(d for d in _docs(_render(tools)) if d["kind"] == "Deployment")

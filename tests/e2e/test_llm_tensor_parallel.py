@@ -116,4 +116,6 @@ def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
     assert stop_code == 0, server.log()[-3000:]
     assert not any(_alive(p) for p in seen), "a rank or an engine process outlived the server"
     assert not _core_dirs(tmp), "the engine's socket folder was left behind"
-    assert set(os.listdir("/dev/shm")) <= shm_before, "a shared-memory segment was left behind"
+    mine = f"pier-tp-{server.proc.pid}-"  # (other servers on this machine may hold theirs meanwhile)
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(mine)], \
+        "a shared-memory segment was left behind"

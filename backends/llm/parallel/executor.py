@@ -11,6 +11,10 @@ one: a new rank cannot join a process group mid-flight.
 
 Rendezvous: a TCPStore rank 0 hosts on loopback (a free port). The sockets to the workers are ZeroMQ
 ipc:// files in the engine core's own folder (the server's scratch folder: removed with it).
+
+Several machines (`nnodes` > 1): rank 0 starts the ranks of its own machine as above and waits for
+the others (remote.py: each a `pier tp-worker` that joins over TCP); the store is then on
+master_port (the workers' env:// rendezvous), and the all-reduce is gloo's (or NCCL's) alone.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
+from pier.contract.backend import LoadProgress
 from pier.ipc.child import Child, Exit, Launch, RestartPolicy, drop_scratch, scratch_folder
 from pier.ipc.messages import BadMessage, encode
 from pier.ipc.supervisor import Readers, Supervisor
@@ -38,6 +44,7 @@ from ..scheduler_output import GrammarBitmask, SchedulerOutput
 from .delta import Shipper
 from .group import TIMEOUT_S, ParallelGroup
 from .messages import FROM_WORKER, Shutdown, WorkerFailed, WorkerInit, WorkerReady
+from .remote import RemoteRanks
 from .shm_allreduce import ShmAllReduce, remove_stale, segment_name
 
 log = logging.getLogger("pier.llm")
@@ -165,8 +172,12 @@ class TensorParallelExecutor:
     (the workers load theirs meanwhile), `connect`ed after."""
 
     def __init__(self, folder: Path, cfg: EngineConfig, group: ParallelGroup, eos_ids: tuple[int, ...],
-                 threads: int | None, max_model_len: int, socket_folder: str | None) -> None:
+                 threads: int | None, max_model_len: int, socket_folder: str | None,
+                 progress: Callable[[LoadProgress], None] | None = None) -> None:
         self.group = group
+        par = cfg.parallel
+        self.progress, self.join_timeout_s = progress, par.join_timeout_s
+        self.local = par.local_ranks  # ranks 0..local-1 here, the others on other machines
         self.failure: str | None = None
         self.wake_r, self._wake_w = os.pipe()  # readable once a rank is lost (the engine core polls it)
         self.zmq = zmq.Context()
@@ -174,18 +185,26 @@ class TensorParallelExecutor:
         self.folder = socket_folder or scratch_folder("pier-llm-tp-")
         self.runner: ModelRunner | None = None
         self.shipper = Shipper()
-        self.store = dist.TCPStore("127.0.0.1", 0, group.size, is_master=True, wait_for_workers=False,
+        one_machine = self.local == group.size
+        host, port = ("127.0.0.1", 0) if one_machine else (par.master_addr, par.master_port)
+        self.store = dist.TCPStore(host, port, group.size, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
         self._closed = False
         self._errors: list[BaseException] = []
         self.shm: ShmAllReduce | None = None
-        if group.device.type == "cpu":
+        if group.device.type == "cpu" and one_machine:  # across machines: gloo's all-reduce alone
             remove_stale()
             self.shm = ShmAllReduce(segment_name(), 0, group.size, lambda: self.failure is not None, create=True)
         shm = "" if self.shm is None else self.shm.name
         self.workers = [_Worker(self, r, WorkerInit(r, group.size, "127.0.0.1", self.store.port, str(folder),
                                                     _settings(cfg), list(eos_ids), max_model_len, threads, shm))
-                        for r in range(1, group.size)]
+                        for r in range(1, self.local)]
+        self.remote: RemoteRanks | None = None
+        if not one_machine:  # a remote rank joins through env:// (port 0), with its own threads' default
+            self.remote = RemoteRanks(
+                self.zmq, range(self.local, group.size), group.size, par.master_addr, par.master_port,
+                lambda r: WorkerInit(r, group.size, "", 0, str(folder), _settings(cfg), list(eos_ids),
+                                     max_model_len, par.num_threads, ""), self.lost)
         self._starts = [threading.Thread(target=self._start, args=(w,), name=f"llm-tp-start{w.rank}", daemon=True)
                         for w in self.workers]
         for t in self._starts:
@@ -203,11 +222,14 @@ class TensorParallelExecutor:
             t.join()
         if self._errors:
             raise self._errors[0]
-        for w in self.workers:
-            if w.num_blocks != runner.num_blocks:
-                raise RuntimeError(f"tensor-parallel rank {w.rank} has {w.num_blocks} KV blocks, rank 0 "
+        blocks = {w.rank: w.num_blocks for w in self.workers}
+        if self.remote is not None:
+            blocks.update(self.remote.wait(self.join_timeout_s, self.progress))
+        for rank, num_blocks in sorted(blocks.items()):
+            if num_blocks != runner.num_blocks:
+                raise RuntimeError(f"tensor-parallel rank {rank} has {num_blocks} KV blocks, rank 0 "
                                    f"{runner.num_blocks}")
-        self.group.join(self.store)
+        self.group.join(self.store, loopback=self.remote is None)
         dist.barrier()  # every rank has mapped the shared-memory segment
         if self.shm is not None:
             self.shm.unlink()
@@ -230,6 +252,8 @@ class TensorParallelExecutor:
         for w in self.workers:
             if w.link is not None:
                 w.link.send(data)
+        if self.remote is not None:
+            self.remote.send(data)
         try:
             return self.runner.execute(so, grammar)
         except Exception as exc:
@@ -255,6 +279,8 @@ class TensorParallelExecutor:
             t.join()
         for w in self.workers:
             w.supervisor.stop()
+        if self.remote is not None:
+            self.remote.close()
         if self.shm is not None:  # never handed to the group: the load failed
             self.shm.unlink()
             self.shm.close()

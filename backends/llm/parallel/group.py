@@ -34,17 +34,20 @@ class ParallelGroup:
     def first(self) -> bool:
         return self.rank == 0
 
-    def join(self, store: dist.Store | None) -> None:
-        """Join the process group through `store` (None: torch's env:// settings, MASTER_ADDR etc.)."""
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        if self.backend == "gloo" and store is not None:
+    def join(self, store: dist.Store | None, loopback: bool = True, timeout_s: float = TIMEOUT_S) -> None:
+        """Join the process group through `store` (None: torch's env:// settings, MASTER_ADDR etc.);
+        `loopback`: every rank is on this machine (gloo's sockets on lo, unless GLOO_SOCKET_IFNAME says)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.backend == "gloo" and store is not None and loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the store is on loopback: so are the ranks
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         if store is None:
             dist.init_process_group(self.backend, rank=self.rank, world_size=self.size, timeout=timeout)
-        else:
-            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
+        else:  # under the prefix env:// uses (init_process_group adds it for an init_method, not for a
+            # store given), so that ranks joining through env:// (other machines') meet these in one store
+            dist.init_process_group(self.backend, store=dist.PrefixStore("default_pg", store), rank=self.rank,
+                                    world_size=self.size, timeout=timeout)
 
     def leave(self) -> None:
         if self.shm is not None:

@@ -4,6 +4,9 @@ other: typed messages (pier.ipc.messages), one ZeroMQ frame each.
     rank 0 -> worker   WorkerInit (once), then a StepDelta per step, and Shutdown
     worker -> rank 0   WorkerReady | WorkerFailed (to WorkerInit), WorkerFailed before it exits on an error
 
+A rank on another machine (`pier tp-worker`, remote.py) says Hello first (which rank it is); rank 0
+answers WorkerInit, or Unwelcome (a rank it does not wait for) and the worker exits saying why.
+
 A step ships its delta (vLLM's SchedulerOutput with NewRequestData / CachedRequestData): a sequence a
 worker has not seen comes whole (its prompt and sampling parameters, `NewSequence`), one it has as the
 step's tokens and the change of its block table (`SeqStep.keep` entries of the table it had, then
@@ -78,8 +81,20 @@ class WorkerFailed(Message):
     message: str
 
 
-ToWorker = WorkerInit | StepDelta | Shutdown
-FromWorker = WorkerReady | WorkerFailed
+class Hello(Message):
+    """A remote worker's first word: its rank, and where it runs (for the messages that name it)."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+class Unwelcome(Message):
+    message: str
+
+
+ToWorker = WorkerInit | StepDelta | Shutdown | Unwelcome
+FromWorker = WorkerReady | WorkerFailed | Hello
 
 TO_WORKER: Codec[ToWorker] = Codec(ToWorker, "tensor-parallel rank 0 to worker")
 FROM_WORKER: Codec[FromWorker] = Codec(FromWorker, "tensor-parallel worker to rank 0")

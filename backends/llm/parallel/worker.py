@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -23,7 +24,22 @@ from pier.ipc.processes import die_with_parent
 from .messages import TO_WORKER, Shutdown, StepDelta, WorkerFailed, WorkerInit, WorkerReady
 
 
-def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
+def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
+          recv: Callable[[], bytes] | None = None) -> int:
+    """Build the shard `init` says, join the group, run the steps until Shutdown (0) or an error (said
+    to rank 0 first; then 1, or, for a remote worker, the error raised for it to say). `recv` (default:
+    inbox.recv) is how a remote worker awaits the next message: it raises when its leader goes away.
+    Port 0 in `init`: join through env://."""
+
+    def fail(e: Exception) -> int:
+        try:
+            outbox.send(encode(WorkerFailed(init.rank, type(e).__name__, str(e))))
+        except zmq.ZMQError:  # a remote leader gone: nobody to tell
+            pass
+        if recv is not None:
+            raise e
+        return 1
+
     import torch
     import torch.distributed as dist
 
@@ -47,24 +63,27 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket) -> int:
         runner = build_runner(folder, cfg, model_cls, mc, device, init.max_model_len, tuple(init.eos_ids), None,
                               group)
     except Exception as e:  # noqa: BLE001 - rank 0 fails the load with it
-        outbox.send(encode(WorkerFailed(init.rank, type(e).__name__, str(e))))
-        return 1
+        return fail(e)
     outbox.send(encode(WorkerReady(init.rank, runner.num_blocks)))
     try:
-        group.join(dist.TCPStore(init.host, init.port, init.size, is_master=False) if init.port else None)
+        if init.port:
+            group.join(dist.TCPStore(init.host, init.port, init.size, is_master=False),
+                       loopback=cfg.parallel.nnodes == 1)  # else its collectives reach other machines too
+        else:  # another machine's rank: MASTER_ADDR etc. (tp_worker.py), as long as rank 0 waits for ranks
+            group.join(None, loopback=False, timeout_s=cfg.parallel.join_timeout_s)
         if init.shm:
             group.shm = ShmAllReduce(init.shm, init.rank, init.size, dead=lambda: False)  # rank 0's death kills it
         dist.barrier()  # every rank has mapped the segment: rank 0 removes its name
         receiver = Receiver()
+        receive = recv or inbox.recv
         while True:
-            msg = TO_WORKER.decode(inbox.recv())
+            msg = TO_WORKER.decode(receive())
             if isinstance(msg, StepDelta):
                 runner.execute(receiver.output(msg))
             elif isinstance(msg, Shutdown):
                 return 0
     except Exception as e:  # noqa: BLE001 - said to rank 0, which fails the group
-        outbox.send(encode(WorkerFailed(init.rank, type(e).__name__, str(e))))
-        return 1
+        return fail(e)
     finally:
         group.leave()
 

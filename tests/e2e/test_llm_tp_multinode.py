@@ -1,0 +1,188 @@
+"""Tensor parallelism across machines, on loopback: `pier serve` is rank 0 of a model with
+`tensor_parallel_size: 2`, `nnodes: 2` (one rank here, one expected from another machine), and
+`pier tp-worker` is rank 1, a separate process that joins it over TCP (its step channel) and
+torch.distributed's env:// rendezvous on 127.0.0.1.
+
+Greedy float32 answers equal the 1-rank model's token for token; `kill -9` of the worker under load
+fails that model's requests with a message naming the rank and its address while another model
+serves without a failure; the model is UNAVAILABLE saying which rank it waits for, and serves again
+once the worker is started again; a worker whose rank 0 goes away (the engine core killed) exits
+non-zero saying so; nothing is left behind (processes, listening ports, /dev/shm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
+from tests.e2e.test_llm_engine_process import Hammer, _alive, _engine_pids
+
+pytestmark = pytest.mark.llm
+
+pytest.importorskip("transformers")
+pytest.importorskip("tritonclient.http")
+
+GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+PROMPTS = ("The quick brown fox", "Once upon a time in a land far")
+CONFIG = ('backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
+          'parameters { key: "num_threads" value { string_value: "1" } }\n')
+ENV = {"GLOO_SOCKET_IFNAME": "lo"}  # both ends on loopback
+
+
+def _port_pair() -> int:
+    """A free port p with p + 1 free too (the store, then the step channel)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two free ports in a row")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Worker:
+    """`pier tp-worker` as a separate process (another machine's rank, here on loopback)."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pier", "tp-worker", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--rank", "1"], stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENV})
+
+    def said(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _generate(base: str, model: str, text: str, params: dict) -> requests.Response:
+    return requests.post(f"{base}/v2/models/{model}/generate", timeout=120,
+                         json={"text_input": text, "sampling_parameters": json.dumps(params)})
+
+
+def _state(base: str, model: str) -> tuple[str, str]:
+    rows = requests.post(f"{base}/v2/repository/index", json={}, timeout=10).json()
+    row = next(r for r in rows if r["name"] == model)
+    return row.get("state", ""), row.get("reason", "")
+
+
+def _until_ready(base: str, model: str, deadline: float, log: str) -> list[tuple[str, str]]:
+    states = []
+    while requests.get(f"{base}/v2/models/{model}/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, (states[-3:], log[-3000:])
+        states.append(_state(base, model))
+        time.sleep(0.1)
+    return states
+
+
+def test_a_rank_from_another_machine(tmp_path: Path) -> None:
+    from tests.backends.llm.tiny_model import build_model
+
+    port = _port_pair()
+    repo = tmp_path / "repo"
+    build_model(repo / "tp1" / "1", "llama")
+    (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
+    shutil.copytree(repo / "tp1" / "1", repo / "tpm" / "1")
+    (repo / "tpm" / "config.pbtxt").write_text(
+        CONFIG + "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in (
+            ("tensor_parallel_size", 2), ("nnodes", 2), ("master_addr", "127.0.0.1"), ("master_port", port))))
+    shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
+    shm_before = set(os.listdir("/dev/shm"))
+    workers = [Worker(port, tmp_path / "worker1.log")]  # started first: it waits for rank 0
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
+    base = server.base()
+    try:
+        for text in PROMPTS:  # the 2-rank model (one rank remote) answers as the 1-rank one
+            one, two = _generate(base, "tp1", text, GREEDY), _generate(base, "tpm", text, GREEDY)
+            assert one.status_code == two.status_code == 200, (one.text, two.text)
+            assert one.json()["text_output"] == two.json()["text_output"]
+        reference = _generate(base, "tp1", PROMPTS[0], GREEDY).json()["text_output"]
+        hammer = Hammer(server.http_url)  # the other model, the whole time: not one failure allowed
+
+        with ThreadPoolExecutor(3) as pool:  # kill -9 of the worker under load
+            futures = [pool.submit(_generate, base, "tpm", f"prompt {i}", LONG) for i in range(3)]
+            deadline = time.monotonic() + 60
+            while requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text.find(
+                    'vllm:num_requests_running{model_name="tpm"} 3') < 0:
+                assert time.monotonic() < deadline, "the requests never ran"
+                time.sleep(0.05)
+            killed = workers[0].proc.pid
+            os.kill(killed, signal.SIGKILL)
+            killed_at = time.monotonic()
+            answers = [f.result() for f in futures]
+        assert time.monotonic() - killed_at < 15
+        for r in answers:
+            assert r.status_code == 503, r.text
+            why = f"tensor-parallel rank 1 of 2 at {socket.gethostname()} (127.0.0.1), pid {killed} disconnected"
+            assert why in r.json()["error"], r.text
+        deadline = time.monotonic() + 60
+        while "waiting for tensor-parallel rank 1 of 2 to join" not in (state := _state(base, "tpm"))[1]:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        assert state[0] == "UNAVAILABLE" and f"127.0.0.1:{port + 1}" in state[1], state
+        assert _generate(base, "tpm", PROMPTS[0], GREEDY).status_code in (404, 503)  # not ready: refused at once
+
+        workers.append(Worker(port, tmp_path / "worker2.log"))  # its pod restarted: the group forms again
+        _until_ready(base, "tpm", time.monotonic() + 120, server.log())
+        again = _generate(base, "tpm", PROMPTS[0], GREEDY)
+        assert again.status_code == 200 and again.json()["text_output"] == reference, again.text
+
+        core = next(p for p in _engine_pids(server.proc.pid) if _alive(p)
+                    and f"127.0.0.1:{port + 1}" in _connections(p))  # rank 0: the engine core of tpm
+        os.kill(core, signal.SIGKILL)  # rank 0 goes away: the worker exits non-zero, saying so
+        assert workers[1].wait() != 0
+        assert "rank 0 at 127.0.0.1" in workers[1].said() and "went away" in workers[1].said(), workers[1].said()
+        workers.append(Worker(port, tmp_path / "worker3.log"))
+        _until_ready(base, "tpm", time.monotonic() + 120, server.log())
+        again = _generate(base, "tpm", PROMPTS[0], GREEDY)
+        assert again.status_code == 200 and again.json()["text_output"] == reference, again.text
+        hammer.stop_and_check()
+    finally:
+        stop_code = server.stop()
+        last = workers[-1]
+        try:
+            last_code = last.wait(30)  # told to stop by rank 0
+        finally:
+            for w in workers:
+                w.kill()
+    assert stop_code == 0, server.log()[-3000:]
+    assert last_code == 0, last.said()
+    assert not any(_listening(p) for p in (port, port + 1)), "rank 0's store or step channel outlived the server"
+    mine = f"pier-tp-{server.proc.pid}-"  # (other servers on this machine may hold theirs meanwhile)
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(mine)], \
+        "a shared-memory segment was left behind"
+
+
+def _connections(pid: int) -> str:
+    """The local addresses pid listens on (ss), to tell tpm's engine core from tp1's."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in out.splitlines() if f"pid={pid}," in line)
