@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .quantized import PackedWeight
+from .quantized import PackedSlices, PackedWeight
 
 
 class LinearMethod(Protocol):
@@ -214,9 +214,9 @@ class Linear:
         n = len(self.output_sizes)
         parts = [self._parts[("weight", i)] for i in range(n)]
         weight: Any
-        if isinstance(parts[0], PackedWeight):  # a quantized checkpoint's slices (layers/quantized.py)
+        if any(isinstance(p, PackedWeight) for p in parts):  # a quantized checkpoint's slices (layers/quantized.py)
             weight = PackedWeight.join(parts)
-            if isinstance(weight, PackedWeight) and not getattr(self.method, "accepts_packed", False):
+            if isinstance(weight, PackedWeight | PackedSlices) and not getattr(self.method, "accepts_packed", False):
                 weight = weight.dequantize(self.dtype)  # a layer no quantized method was set on
         else:
             weight = (torch.cat(parts) if n > 1 else parts[0]).contiguous()

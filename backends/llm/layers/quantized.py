@@ -126,27 +126,51 @@ class PackedWeight:
         return w.to(dtype)
 
     @staticmethod
-    def join(parts: Sequence[PackedWeight]) -> PackedWeight | torch.Tensor:
-        """Output slices stacked (q, k, v or gate, up); where they disagree on bits, group or input
-        order, the de-quantized float weight (still correct; the method stores it as floats)."""
+    def join(parts: Sequence[PackedWeight | torch.Tensor]) -> PackedWeight | PackedSlices | torch.Tensor:
+        """Output slices stacked (q, k, v or gate, up). Where they disagree on bits, group, form or input
+        order (a GGUF file's q/k in Q4_K beside v in Q6_K), each stays packed as it came and is
+        multiplied on its own (`PackedSlices`); a float slice among packed ones makes the whole the
+        de-quantized float weight (still correct; the method stores it as floats)."""
         first = parts[0]
+        if any(isinstance(p, torch.Tensor) for p in parts):
+            return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(p.scales.dtype) for p in parts])
+        packed = [p for p in parts if isinstance(p, PackedWeight)]
+        assert isinstance(first, PackedWeight) and len(packed) == len(parts)
         if len(parts) == 1:
             return first
         same = all(p.bits == first.bits and p.group == first.group and p.offset == first.offset and
                    p.fp8 == first.fp8 and
                    ((p.perm is None and first.perm is None) or
                     (p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm)))
-                   for p in parts)
+                   for p in packed)
         if not same:
-            return torch.cat([p.dequantize() for p in parts])
-        inputs = [p.input_scale for p in parts if p.input_scale is not None]  # one for the fused input: vLLM's max
-        return replace(first, q=torch.cat([p.q for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                       zeros=torch.cat([p.zeros for p in parts]),
-                       input_scale=torch.stack(inputs).amax() if len(inputs) == len(parts) else None)
+            return PackedSlices(tuple(packed))
+        inputs = [p.input_scale for p in packed if p.input_scale is not None]  # one for the fused input: vLLM's max
+        return replace(first, q=torch.cat([p.q for p in packed]), scales=torch.cat([p.scales for p in packed]),
+                       zeros=torch.cat([p.zeros for p in packed]),
+                       input_scale=torch.stack(inputs).amax() if len(inputs) == len(packed) else None)
 
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+
+@dataclass(frozen=True)
+class PackedSlices:
+    """Output slices packed differently (see `PackedWeight.join`): the product is each slice's, side by side."""
+
+    parts: tuple[PackedWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].input_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
 
 
 def quantize_int8(weight: torch.Tensor) -> PackedWeight:
@@ -186,23 +210,27 @@ class PackedLinearMethod:
             return
         layer.weight = weight  # type: ignore[assignment]  # the method's stored form
 
-    def packed(self, layer: Any) -> PackedWeight | None:
-        return layer.weight if isinstance(layer.weight, PackedWeight) else None  # type: ignore[unreachable]
+    def packed(self, layer: Any) -> PackedWeight | PackedSlices | None:
+        w = layer.weight
+        return w if isinstance(w, PackedWeight | PackedSlices) else None
 
     def apply(self, layer: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         p = self.packed(layer)
         if p is None:
             assert self.float_weight is not None, f"{layer.name}: not loaded"
             out = torch.mm(x, self.float_weight)
+        elif isinstance(p, PackedSlices):
+            out = torch.cat([self._product(part, x) for part in p.parts], dim=1)
         else:
-            if p.perm is not None:
-                x = x.index_select(1, p.perm)
-            out = self._matmul(p, x)
+            out = self._product(p, x)
         if layer.bias is not None:
             out.add_(layer.bias)
         if residual is not None:
             return residual.add_(out)
         return out
+
+    def _product(self, p: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(p, x if p.perm is None else x.index_select(1, p.perm))
 
     def _matmul(self, p: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         if p.fp8:

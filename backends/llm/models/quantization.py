@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..layers.fp8 import uses_scaled_mm
-from ..layers.quantized import PackedLinearMethod, PackedWeight
+from ..layers.quantized import PackedLinearMethod, PackedSlices, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def _fp8(qc: QuantConfig, t: dict[str, torch.Tensor]) -> PackedWeight:
 def log_summary(qc: QuantConfig, model: Any, projections: int) -> str:
     """The startup line saying what runs."""
     packed = [lin.weight for layer in model.layers for lin in getattr(layer, "linears", ())
-              if isinstance(lin.weight, PackedWeight)]
+              if isinstance(lin.weight, PackedWeight | PackedSlices)]
     kernel = any(getattr(lin.method, "ops", None) is not None for layer in model.layers
                  for lin in getattr(layer, "linears", ()))
     size = sum(p.nbytes for p in packed) / 2**20

@@ -102,3 +102,20 @@ def test_a_corrupt_file_or_an_unsupported_type_names_file_and_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"GGUF file model\.gguf, tensor blk\.1\.ffn_up\.weight: type Q2_K is not "
                                          r"supported"):
         LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+
+
+def test_mixed_types_in_one_projection_stay_in_their_blocks(tmp_path, prompts):
+    """A K-quant "mix" file keeps v (or down) in a wider type than q and k: the fused q/k/v holds each
+    slice packed as it came (PackedSlices), none de-quantized, and the outputs still equal transformers."""
+    from pier.backends.llm.layers.quantized import PackedSlices
+
+    folder = tmp_path / "mix"
+    write_gguf(folder / "model.gguf", "Q4_K", types={"blk.0.attn_k.weight": "Q5_0", "blk.0.attn_v.weight": "Q6_K",
+                                                     "blk.1.ffn_gate.weight": "Q4_1", "blk.1.ffn_up.weight": "Q8_0"})
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12)
+    layers = eng.model.layers  # type: ignore[attr-defined]
+    qkv, gate_up = layers[0].linears[0].weight, layers[1].linears[2].weight
+    assert isinstance(qkv, PackedSlices) and [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 32), (8, 16)]
+    assert isinstance(gate_up, PackedSlices) and [(p.bits, p.offset) for p in gate_up.parts] == [(4, True), (8, False)]
+    assert isinstance(layers[1].linears[0].weight, PackedWeight)  # layer 1's q/k/v: all Q4_K, one packed weight
