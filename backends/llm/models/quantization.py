@@ -395,7 +395,8 @@ def log_summary(qc: QuantConfig, model: Any, projections: int) -> str:
                  for lin in getattr(layer, "linears", ()))
     size = sum(p.nbytes for p in packed) / 2**20
     if qc.fp8:
-        w8a8 = sum(uses_scaled_mm(p.q, p.group, p.q.device) for p in packed)
+        parts = [q for p in packed for q in (p.parts if isinstance(p, PackedSlices) else (p,))]
+        w8a8 = sum(uses_scaled_mm(p.q, p.group, p.q.device) for p in parts)
         how = (f"FP8 torch._scaled_mm for {w8a8} of {len(packed)} (W8A8), the others de-quantized per call"
                if w8a8 else "FP8 de-quantized per call (weight-only)")
     else:
