@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from pier.backends.llm import degrade
+from pier.backends.llm.adapter_model import BASES, AdapterInstance
 from pier.backends.llm.chat import render_chat
+from pier.backends.llm.config import INTERNAL_PREFIX
 from pier.backends.llm.logprob_docs import CONTEXT_TOKENS, logprobs_doc, token_texts
 from pier.backends.llm.metrics import LLMMetrics, phase_times
 from pier.contract import llm
@@ -84,6 +86,7 @@ class LLMInstance(ModelInstance):
         from pier.backends.llm.sampling_params import SamplingParams
 
         self._sampling_cls = SamplingParams
+        self.name = ctx.spec.name
         params = dict(ctx.spec.parameters)
         folder = Path(params["model_path"]) if params.get("model_path") else ctx.version_dir
         overrides: dict[str, Any] = {}
@@ -109,6 +112,7 @@ class LLMInstance(ModelInstance):
             else:
                 def on_health(reason: str | None) -> None:
                     ctx.report_health(where.name, reason)
+                    BASES.health(self.name, self, reason)  # the adapter models running on this engine
 
                 self.engine = EngineCoreClient.from_parameters(folder, params, on_health, on_progress, **overrides)
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
@@ -121,6 +125,7 @@ class LLMInstance(ModelInstance):
         self._tasks: set[asyncio.Task[None]] = set()  # the streams running (a task needs a reference)
         self.metrics = LLMMetrics(self.engine.max_model_len)
         self.degrades = self.watermark.threshold is not None
+        BASES.register(self.name, self)
 
     def overload(self, request: InferenceRequest) -> Overload | None:
         """Past the KV watermark (degrade.py): Retry-After is the mean time a request took here."""
@@ -130,10 +135,15 @@ class LLMInstance(ModelInstance):
     # ---- requests ------------------------------------------------------------------------
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        return self.run(requests)
+
+    def run(self, requests: Sequence[InferenceRequest], lora: str | None = None) -> list[ExecuteResult]:
+        """Execute `requests`, with LoRA adapter `lora` (an adapter model's, adapter_model.py) whatever
+        they ask."""
         results: list[ExecuteResult] = []
         for request in requests:
             try:
-                job = self._parse(request)
+                job = self._parse(request, lora)
                 answer = self._tokenizer_answer(request, *job)
             except PierError as exc:
                 results.append(exc)
@@ -161,7 +171,7 @@ class LLMInstance(ModelInstance):
         if request.cancelled:  # the stream closed before on_cancel was set
             handle.cancel()
 
-    def _parse(self, request: InferenceRequest) -> tuple[Any, Any, dict[str, bool]]:
+    def _parse(self, request: InferenceRequest, lora: str | None = None) -> tuple[Any, Any, dict[str, bool]]:
         if request.response_sink is None:
             raise invalid_arg("the LLM model is decoupled: use gRPC ModelStreamInfer, generate or generate_stream")
         flags = {name: bool(_scalar(request, name)) for name in llm.FLAG_INPUTS}
@@ -183,6 +193,8 @@ class LLMInstance(ModelInstance):
         facts = self.engine.facts
         defaults = facts.generation_defaults  # generation_config.json's, for what the request leaves out (vLLM)
         sampling_doc = {**defaults, **{k: v for k, v in sampling_doc.items() if v is not None or k not in defaults}}
+        if lora is not None:
+            sampling_doc[llm.SAMPLING_LORA_NAME] = lora
         if flags[llm.EMBED]:  # one forward pass over the prompt, nothing generated
             sampling_doc = {**sampling_doc, "embed": True, "max_tokens": 1}
         try:
@@ -358,7 +370,8 @@ class LLMInstance(ModelInstance):
             self.watermark.render(model)
 
     def info(self) -> dict[str, Any]:
-        lora = {llm.INFO_LORA_ADAPTERS: dict(self.engine.lora_adapters)} if self.engine.facts.max_loras else {}
+        lora = {llm.INFO_LORA_ADAPTERS: {n: p for n, p in self.engine.lora_adapters.items()
+                                         if not n.startswith(INTERNAL_PREFIX)}} if self.engine.facts.max_loras else {}
         return {llm.INFO_MAX_MODEL_LEN: self.engine.max_model_len, llm.INFO_TOOL_CALL_PARSER: self.tool_call_parser,
                 **lora}
 
@@ -374,6 +387,7 @@ class LLMInstance(ModelInstance):
         return {"kv_cache_usage_perc": stats.kv_cache_usage, "num_requests_waiting": float(stats.num_waiting)}
 
     def close(self) -> None:
+        BASES.unregister(self.name, self)
         self.engine.shutdown()  # requests still streaming fail with the engine's error
 
 
@@ -387,6 +401,8 @@ class LLMBackend(Backend):
                               decoupled=True)
 
     def create_instance(self, model: ModelContext, instance: InstanceContext) -> ModelInstance:
+        if llm.BASE_MODEL_PARAMETER in model.spec.parameters:  # an adapter of another LLM model
+            return AdapterInstance(model, instance)
         if not model.spec.decoupled:
             raise invalid_arg(f"LLM model '{model.spec.name}' must be decoupled "
                               "(model_transaction_policy { decoupled: true }; auto-complete sets it)")

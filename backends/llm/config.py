@@ -244,7 +244,16 @@ class LoRAConfig:
 
 _GROUPS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                             "parallel": ParallelConfig, "lora": LoRAConfig}
+# The names adapter models' versions (adapter_model.py) run under in their base's engine: not listed
+# as the base's adapters (the adapter model is listed under its own name)
+INTERNAL_PREFIX = "pier-adapter-model:"
 _GROUP_OF = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
+
+
+def engine_settings() -> frozenset[str]:
+    """The config.pbtxt parameters the engine reads (an adapter model, which runs on its base's
+    engine, refuses them)."""
+    return frozenset(_GROUP_OF)
 
 
 class EngineConfig:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .config import LoRAConfig, LoRAModulePath, parse_lora_modules
+from .config import INTERNAL_PREFIX, LoRAConfig, LoRAModulePath, parse_lora_modules
 from .layers.linear import Linear
 from .layers.lora import LoRABatch, LoRALinearMethod
 
@@ -219,7 +219,8 @@ class LoRAManager:
         if name is None:
             return 0
         if not self.adapters.get(name):
-            raise ValueError(f"LoRA {name} is not supported, we currently support {sorted(self.adapters)}")
+            raise ValueError(f"LoRA {name} is not supported, we currently support "
+                             f"{sorted(n for n in self.adapters if not n.startswith(INTERNAL_PREFIX))}")
         return self.adapters[name].id
 
     def name_of(self, lora_id: int) -> str:

@@ -56,6 +56,13 @@ INFO_TOOL_CALL_PARSER = "tool_call_parser"  # ... and how tool calls are found i
 # ... and, with LoRA on (enable_lora), the adapters it serves: {name: folder}. The OpenAI API's `model`
 # picks one (the request goes to the base model with SAMPLING_LORA_NAME set); /v1/models lists them.
 INFO_LORA_ADAPTERS = "lora_adapters"
+# An adapter model (a repository model whose config names a `base_model`: backends/llm/adapter_model.py)
+# says its base and its version's folder: /v1/models lists it as vLLM lists an adapter (parent, root).
+INFO_LORA_PARENT = "lora_parent"
+INFO_LORA_ROOT = "lora_root"
+# The config.pbtxt parameter that makes an LLM model an adapter of another (its PEFT files in each version folder)
+BASE_MODEL_PARAMETER = "base_model"
+ADAPTER_MODEL_FILE = "adapter_config.json"  # ... its default_model_filename (what auto-complete looks for)
 # The config.pbtxt parameter `tool_call_parser` takes vLLM's names of these formats.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from pier.contract.errors import PierError, invalid_arg, not_found
 from pier.lifecycle.lifecycle import ModelLifecycle, ModelVersions
 from pier.lifecycle.state import ModelState
-from pier.repository import disk, source
+from pier.repository import disk, model_config, source
 from pier.repository.disk import LoadOverride
 
 log = logging.getLogger("pier.repository")
@@ -304,7 +304,8 @@ class RepositoryManager:
             entry.disk_fingerprint = await self._fingerprint(entry, src)
             return self.lifecycle.fail(record, exc.message)
         if on_disk.dependencies:
-            error = await self._load_dependencies(entry, on_disk.dependencies, sources, chain)
+            error = await self._load_dependencies(entry, on_disk.dependencies, sources, chain,
+                                                  model_config.base_model(on_disk.config))
             if error:
                 return self.lifecycle.fail(record, error)
         error = await self.lifecycle.apply(record, on_disk, force)
@@ -314,17 +315,21 @@ class RepositoryManager:
         return error
 
     async def _load_dependencies(self, entry: ModelEntry, deps: list[str],
-                                 sources: dict[str, source.ModelSource] | None, chain: tuple[str, ...]) -> str:
-        """Ensembles: load the composing models that are not loaded yet (explicit mode)."""
-        for dep in (self._dependency_key(entry.name, d, sources) for d in deps):
+                                 sources: dict[str, source.ModelSource] | None, chain: tuple[str, ...],
+                                 base: str = "") -> str:
+        """Ensembles: load the composing models that are not loaded yet (explicit mode); an LLM
+        adapter model (`base`: its base_model) its base, the same way."""
+        for name in deps:
+            dep = self._dependency_key(entry.name, name, sources)
             if dep in chain:
-                return f"ensemble dependency cycle: {' -> '.join((*chain, dep))}"
+                kind = "adapter base" if name == base else "ensemble"
+                return f"{kind} dependency cycle: {' -> '.join((*chain, dep))}"
             if self.lifecycle.ready(dep):
                 continue
             try:
                 await self.load(dep, sources=sources, _chain=chain)
             except PierError as exc:
-                return f"composing model '{dep}' failed to load: {exc.message}"
+                return f"{'base' if name == base else 'composing'} model '{dep}' failed to load: {exc.message}"
             entry.dependents.add(dep)
         return ""
 

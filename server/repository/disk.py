@@ -106,7 +106,7 @@ class ModelOnDisk:
     wanted: frozenset[int]  # versions to serve
     fingerprints: dict[int, str]  # per wanted version: the completed config + its folder
     weights: dict[int, float] | None  # the config's traffic_weights parameter, when it has one
-    dependencies: list[str]  # an ensemble's composing models
+    dependencies: list[str]  # an ensemble's composing models, or an adapter model's base (base_model)
 
 
 def read_model(name: str, path: Path, override: LoadOverride | None, config_name: str, auto_complete: bool,
@@ -127,7 +127,8 @@ def read_model(name: str, path: Path, override: LoadOverride | None, config_name
         if WEIGHTS_PARAMETER in config.parameters else None
     config_fp = hashlib.sha256(config.SerializeToString(deterministic=True)).hexdigest()
     fingerprints = {v: config_fp + tree_fingerprint(dirs[v]) for v in sorted(wanted)}
-    return ModelOnDisk(path, config, spec, entry, frozenset(wanted), fingerprints, weights, dependencies(config))
+    deps = dependencies(config) + [b for b in (model_config.base_model(config),) if b]
+    return ModelOnDisk(path, config, spec, entry, frozenset(wanted), fingerprints, weights, deps)
 
 
 def _describe(entry: backend_registry.BackendEntry, path: Path) -> ModelSignature | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from google.protobuf import json_format, text_format
 
+from pier.contract import llm
 from pier.contract.errors import PierError, invalid_arg
 from pier.contract.types import (
     ModelSignature,
@@ -102,8 +103,8 @@ def complete_config(
         )
     out.name = model_name
     entry = _resolve_backend(out, version_dirs, source, auto_complete)
-    if not out.default_model_filename:
-        out.default_model_filename = entry.default_model_filename
+    if not out.default_model_filename:  # an LLM adapter model's versions hold a PEFT adapter
+        out.default_model_filename = llm.ADAPTER_MODEL_FILE if base_model(out) else entry.default_model_filename
     if auto_complete and (not out.input or not out.output) and entry is not backend_registry.ENSEMBLE:
         _auto_complete_io(out, entry, version_dirs, describe, source)
     if not out.HasField("version_policy"):
@@ -148,6 +149,15 @@ def _resolve_backend(
     if entry.platform and not config.platform:
         config.platform = entry.platform
     return entry
+
+
+def base_model(config: mc.ModelConfig) -> str:
+    """The model an LLM adapter model runs on (backend "llm" with a `base_model` parameter: its
+    PEFT adapter in each version folder, served by the base's engine); "" for every other model.
+    A load brings its base up first, as an ensemble's steps (pier.control.manager)."""
+    if config.backend != llm.BACKEND_NAME or llm.BASE_MODEL_PARAMETER not in config.parameters:
+        return ""
+    return config.parameters[llm.BASE_MODEL_PARAMETER].string_value.strip()
 
 
 def _auto_complete_io(

@@ -146,14 +146,18 @@ class OpenAIHandlers:
 
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
+        llms = self.plane.models_with_backend(llm.BACKEND_NAME)
         served = {**{m: None for m in self.plane.models_with_parameter(embeddings.PARAMETER)},
-                  **{m: info.get(llm.INFO_MAX_MODEL_LEN) for m, info in
-                     self.plane.models_with_backend(llm.BACKEND_NAME).items()}}
+                  **{m: info.get(llm.INFO_MAX_MODEL_LEN) for m, info in llms.items()
+                     if llm.INFO_LORA_PARENT not in info}}
         data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
                  llm.INFO_MAX_MODEL_LEN: limit} for m, limit in sorted(served.items())]
         # LoRA adapters as vLLM lists them: root = the adapter's folder, parent = the base, no max_model_len
+        # (adapter models too: root = the folder of the version unversioned requests reach first)
+        adapters = {**lora_adapters(llms), **{m: (info[llm.INFO_LORA_PARENT], info[llm.INFO_LORA_ROOT])
+                                              for m, info in llms.items() if llm.INFO_LORA_PARENT in info}}
         data += [{"id": a, "object": "model", "created": created, "owned_by": "pier", "root": path, "parent": base}
-                 for a, (base, path) in sorted(lora_adapters(self.plane.models_with_backend(llm.BACKEND_NAME)).items())]
+                 for a, (base, path) in sorted(adapters.items())]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
