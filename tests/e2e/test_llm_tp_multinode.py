@@ -66,11 +66,12 @@ def _listening(port: int) -> bool:
 class Worker:
     """`pier tp-worker` as a separate process (another machine's rank, here on loopback)."""
 
-    def __init__(self, port: int, log: Path) -> None:
+    def __init__(self, port: int, log: Path, rank: int = 1) -> None:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pier", "tp-worker", "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "--rank", "1"], stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **ENV})
+             "--rank", str(rank)], stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, **ENV})
 
     def said(self) -> str:
         return self.log.read_text(errors="replace")
@@ -180,6 +181,41 @@ def test_a_rank_from_another_machine(tmp_path: Path) -> None:
     mine = f"pier-tp-{server.proc.pid}-"  # (other servers on this machine may hold theirs meanwhile)
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(mine)], \
         "a shared-memory segment was left behind"
+
+
+def test_four_ranks_on_two_machines(tmp_path: Path) -> None:
+    """tensor_parallel_size 4 on 2 machines: rank 0 and its child rank 1 here, ranks 2 and 3 joining
+    as `pier tp-worker`s; a worker that says it is rank 1 (a rank of rank 0's own machine) is refused."""
+    from tests.backends.llm.tiny_model import build_model
+
+    port = _port_pair()
+    repo = tmp_path / "repo"
+    build_model(repo / "tp1" / "1", "llama")
+    (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
+    shutil.copytree(repo / "tp1" / "1", repo / "tp4" / "1")
+    (repo / "tp4" / "config.pbtxt").write_text(
+        CONFIG + "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in (
+            ("tensor_parallel_size", 4), ("nnodes", 2), ("master_addr", "127.0.0.1"), ("master_port", port))))
+    workers = [Worker(port, tmp_path / f"worker{r}.log", r) for r in (2, 3, 1)]  # all waiting as the group forms
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
+    try:
+        stranger = workers[2]
+        assert stranger.wait() == 1
+        assert "does not take tensor-parallel rank 1 of 4: this group waits for ranks 2..3 on other machines" \
+            in stranger.said(), stranger.said()
+        for text in PROMPTS:
+            one, four = _generate(server.base(), "tp1", text, GREEDY), _generate(server.base(), "tp4", text, GREEDY)
+            assert one.status_code == four.status_code == 200, (one.text, four.text)
+            assert one.json()["text_output"] == four.json()["text_output"]
+    finally:
+        stop_code = server.stop()
+        try:
+            codes = [w.wait(30) for w in workers[:2]]
+        finally:
+            for w in workers:
+                w.kill()
+    assert stop_code == 0, server.log()[-3000:]
+    assert codes == [0, 0], [w.said() for w in workers]
 
 
 def _connections(pid: int) -> str:
