@@ -125,8 +125,8 @@ def test_the_multi_machine_manifests_validate(tools, tmp_path: Path) -> None:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()}, "spec": template[role]["spec"]}
         docs.append(tmp_path / f"{role}.yaml")
         docs[-1].write_text(yaml.safe_dump(pod))
-    assert [c["args"][0] for r in ("leaderTemplate", "workerTemplate") for c in template[r]["spec"]["containers"]] \
-        == ["serve", "tp-worker"]
+    assert [c["command"] for r in ("leaderTemplate", "workerTemplate") for c in template[r]["spec"]["containers"]] \
+        == [["pier", "serve"], ["pier", "tp-worker"]]  # the image's entrypoint is `pier serve`: said in full
     out = _run([tools["kubernetes-validate"], "--strict", "-k", "1.35.0", *map(str, docs)])
     assert out.returncode == 0 and "ERROR" not in out.stdout + out.stderr, (out.stdout, out.stderr)
     from pier.cli import build_parser  # the commands the manifests run parse
