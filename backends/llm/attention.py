@@ -41,13 +41,16 @@ from .kv_fp8 import KVScales, dequantize, quantize
 
 class LayerKV(tuple[torch.Tensor, torch.Tensor]):
     """One layer's (k_cache, v_cache), unpacked as the pair; `scales` are the FP8 cache's K/V
-    scales (None: the cache is in the model's dtype). The runner builds these; models pass them on."""
+    scales (None: the cache is in the model's dtype); `group` the layer's KV cache group
+    (kv_groups.py), whose block tables its attention reads. The runner builds these; models pass them on."""
 
     scales: KVScales | None
+    group: int
 
-    def __new__(cls, k: torch.Tensor, v: torch.Tensor, scales: KVScales | None = None) -> LayerKV:
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, scales: KVScales | None = None, group: int = 0) -> LayerKV:
         self = super().__new__(cls, (k, v))
         self.scales = scales
+        self.group = group
         return self
 
 
@@ -95,6 +98,9 @@ class AttentionMetadata:
     # K stored block-transposed, [kv_heads, num_blocks, head_dim, block_size]: the compiled
     # kernels' layout, whose fused RoPE op also writes K (so `write_kv` never sees this layout).
     k_transposed: bool = False
+    # with several KV cache groups (kv_groups.py), each group's metadata (this one the first's): a
+    # layer uses that of its `LayerKV.group`
+    groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 class Workspace:

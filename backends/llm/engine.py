@@ -199,8 +199,10 @@ class LLMEngine:
             raise
         self.model = self.runner.model
         num_blocks = self.runner.num_blocks
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, self.runner.num_cpu_blocks)
-        self.max_model_len = min(self.max_model_len, num_blocks * cache.block_size)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, self.runner.num_cpu_blocks,
+                                 self.runner.kv_windows)
+        # a sequence fits alone even with every KV cache group holding each of its blocks
+        self.max_model_len = min(self.max_model_len, num_blocks // len(self.kv.windows) * cache.block_size)
         self.execute = self.runner.execute if self.executor is None else self.executor.execute
         self.lora: LoRAManager | None = None
         if cfg.lora.enable_lora:  # the projections get the LoRA method; the runner sets its rows each step
@@ -352,7 +354,8 @@ class LLMEngine:
                 "enable_prefix_caching": str(cfg.enable_prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
-                "kv_cache_size_tokens": str(self.kv.pool.num_blocks * cfg.block_size),
+                # tokens of context the pool holds when each KV cache group keeps every block (kv_groups.py)
+                "kv_cache_size_tokens": str(self.kv.pool.num_blocks // len(self.kv.windows) * cfg.block_size),
                 "num_cpu_blocks": str(self.kv.cpu_pool.num_blocks), "num_gpu_blocks": str(self.kv.pool.num_blocks),
                 # what the weights run as (vLLM keeps this in its model config; here beside the cache's)
                 "quantization": "none" if self.quant is None else self.quant.method,

@@ -16,6 +16,7 @@ import torch
 
 from .attention import AttentionMetadata, DecodeBatch, DecodeGroup, LayerKV, PrefillChunk, prefix_causal_mask
 from .kv_fp8 import KVScales
+from .kv_groups import KVCacheGroup, group_layers, group_of, num_slots
 from .layers.lora import LoRABatch
 from .models.interface import CausalLM, KVCacheSpec
 from .outputs import ModelRunnerOutput, PromptLogprobs
@@ -43,8 +44,16 @@ def kv_cache_specs(model: CausalLM, kv_dtype: torch.dtype | None = None) -> list
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
-    """What one block (block_size tokens) takes in every layer's K and V caches."""
-    return sum(spec.bytes_per_block(block_size) for spec in kv_cache_specs(model, kv_dtype))
+    """What one block id (block_size tokens) takes: K and V of one layer per cache slot (kv_groups.py;
+    every layer's with one KV cache group)."""
+    specs = kv_cache_specs(model, kv_dtype)
+    return sum(spec.bytes_per_block(block_size) for spec in _slot_specs(specs, group_layers(specs)))
+
+
+def _slot_specs(specs: list[KVCacheSpec], groups: list[KVCacheGroup]) -> list[KVCacheSpec]:
+    """The spec of each cache slot: that of the first group's layer stored there (the groups' layers
+    that share a slot have the same one)."""
+    return [next(specs[g.layers[j]] for g in groups if j < len(g.layers)) for j in range(num_slots(groups))]
 
 
 class ModelRunner:
@@ -67,16 +76,28 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.spec_stats = SpecDecodeStats()
-        specs = kv_cache_specs(model, kv_dtype)
+        layer_specs = kv_cache_specs(model, kv_dtype)
         self.kv_scales = kv_scales if kv_dtype is not None else None
         self._scales_logged = False
-        self.kv_caches = [LayerKV(*self._cache(s, num_blocks, model.device), None if kv_scales is None else sc)
-                          for s, sc in zip(specs, kv_scales or [None] * len(specs))]  # type: ignore[list-item]
+        # the KV cache groups (kv_groups.py): a layer's K/V live in its slot's tensors, read through
+        # its group's block tables
+        self.kv_groups = group_layers(layer_specs)
+        specs = _slot_specs(layer_specs, self.kv_groups)
+        slots = [self._cache(s, num_blocks, model.device) for s in specs]
+        self.kv_caches: list[LayerKV] = [None] * len(layer_specs)  # type: ignore[list-item]
+        for gi, g in enumerate(self.kv_groups):
+            for j, layer in enumerate(g.layers):
+                self.kv_caches[layer] = LayerKV(*slots[j], None if kv_scales is None else kv_scales[layer], gi)
+        self.slot_caches: list[tuple[torch.Tensor, torch.Tensor]] = slots
         self.drafter = None
-        if draft is not None:
-            self.drafter = Drafter(draft, [self._cache(s, num_blocks, model.device) for s in draft.kv_cache_specs()],
-                                   model.config.vocab_size)
-            specs = [*specs, *draft.kv_cache_specs()]  # the swap area holds both models' blocks
+        if draft is not None:  # its layers read the tables of the group of their attention kind
+            draft_specs = draft.kv_cache_specs()
+            caches = [LayerKV(*self._cache(s, num_blocks, model.device), None, group_of(self.kv_groups, s.window))
+                      for s in draft_specs]
+            self.drafter = Drafter(draft, caches, model.config.vocab_size)  # type: ignore[arg-type]
+            self.slot_caches = [*slots, *caches]
+            specs = [*specs, *draft_specs]  # the swap area holds both models' blocks
+        self.kv_windows = [g.window for g in self.kv_groups]  # each group's, for the block accounting
         self.cpu_caches = [self._cache(s, num_cpu_blocks, torch.device("cpu"), pin=model.device.type == "cuda")
                            for s in specs] if num_cpu_blocks else []
 
@@ -166,38 +187,61 @@ class ModelRunner:
         prefills = [s for s in so.scheduled if len(s.token_ids) > 1]
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sampling: list[tuple[int, ScheduledSeq]] = []
         lp_rows: list[tuple[ScheduledSeq, int, int]] = []
-        bs = self.block_size
         for s in decodes:
             if s.prompt_logprobs:  # a one-token prompt chunk
                 lp_rows.append((s, len(ids), 1))
             ids.append(s.token_ids[0])
             positions.append(s.start_pos)
-            slots.append(s.block_table[s.start_pos // bs] * bs + s.start_pos % bs)
             if s.sample:
                 sampling.append((len(ids) - 1, s))
+        if self.decode_op is not None:
+            short = [s for s in prefills if len(s.token_ids) <= _KERNEL_PREFILL]
+            prefills = short + [s for s in prefills if len(s.token_ids) > _KERNEL_PREFILL]
+        for s in prefills:
+            n = len(s.token_ids)
+            if s.prompt_logprobs:
+                lp_rows.append((s, len(ids), n))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + n))
+            if s.sample:  # the row of the last known token (drafts follow it)
+                sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
         dev = self.model.device
+        meta = self._metadata(decodes, prefills, _first_table, dev)
+        if len(self.kv_groups) > 1:  # each layer reads its group's (layers/attention.py)
+            meta.groups = [meta, *(self._metadata(decodes, prefills, _group_table(g), dev)
+                                   for g in range(1, len(self.kv_groups)))]
+        if self.lora is not None and model in (None, self.model):  # each row's adapter, in the rows' order
+            self.lora.set([s.lora_id for s in decodes] + [s.lora_id for s in prefills for _ in s.token_ids], dev)
+        hidden = (model or self.model).forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                               self.kv_caches if kv_caches is None else kv_caches,  # type: ignore[arg-type]
+                                               meta)
+        if self.kv_scales is not None and not self._scales_logged:
+            self._log_scales()
+        return hidden, sampling, lp_rows
+
+    def _metadata(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                  table_of: Callable[[ScheduledSeq], list[int]], dev: torch.device) -> AttentionMetadata:
+        """The attention metadata of the step's rows (decodes, then prefills) over one KV cache
+        group's block tables (`table_of`)."""
+        bs = self.block_size
+        slots = []
+        for s in decodes:
+            slots.append(table_of(s)[s.start_pos // bs] * bs + s.start_pos % bs)
         # (block table, context length) of each row the kernel attends: the decodes, then short prefills' tokens
         kernel_rows: list[tuple[list[int], int]] = []
         groups: list[DecodeGroup] = []
         if self.decode_op is not None:
-            kernel_rows = [(s.block_table, s.start_pos + 1) for s in decodes]
-            short = [s for s in prefills if len(s.token_ids) <= _KERNEL_PREFILL]
-            prefills = short + [s for s in prefills if len(s.token_ids) > _KERNEL_PREFILL]
+            kernel_rows = [(table_of(s), s.start_pos + 1) for s in decodes]
         else:
-            groups = self._decode_groups(decodes, dev)
+            groups = self._decode_groups(decodes, dev, table_of)
         chunks: list[PrefillChunk] = []
+        start = len(decodes)
         for s in prefills:
             n = len(s.token_ids)
-            start = len(ids)
-            if s.prompt_logprobs:
-                lp_rows.append((s, start, n))
-            ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + n)
-            positions.extend(pos)
-            table = s.block_table
+            table = table_of(s)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if self.decode_op is not None and n <= _KERNEL_PREFILL:
                 kernel_rows.extend((table, p + 1) for p in pos)
@@ -207,19 +251,10 @@ class ModelRunner:
                                            prefix_causal_mask(s.start_pos, n, dev)))
             else:
                 chunks.append(PrefillChunk(start, n, 0, None, None))
-            if s.sample:  # the row of the last known token (drafts follow it)
-                sampling.append((len(ids) - 1 - len(s.draft_token_ids), s))
+            start += n
         decode = self._decode_batch(kernel_rows, dev) if kernel_rows else None
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
+        return AttentionMetadata(torch.tensor(slots, device=dev), groups, decode, chunks,
                                  k_transposed=self.decode_op is not None)
-        if self.lora is not None and model in (None, self.model):  # each row's adapter, in the rows' order
-            self.lora.set([s.lora_id for s in decodes] + [s.lora_id for s in prefills for _ in s.token_ids], dev)
-        hidden = (model or self.model).forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                               self.kv_caches if kv_caches is None else kv_caches,  # type: ignore[arg-type]
-                                               meta)
-        if self.kv_scales is not None and not self._scales_logged:
-            self._log_scales()
-        return hidden, sampling, lp_rows
 
     def _log_scales(self) -> None:
         """Say once which K/V scales the FP8 cache runs with (derived ones after the first prefill)."""
@@ -265,7 +300,8 @@ class ModelRunner:
         return DecodeBatch(len(rows), torch.tensor(tables, dtype=torch.int32, device=dev),
                            torch.tensor([ctx for _, ctx in rows], dtype=torch.int32, device=dev), self.decode_op)
 
-    def _decode_groups(self, decodes: list[ScheduledSeq], dev: torch.device) -> list[DecodeGroup]:
+    def _decode_groups(self, decodes: list[ScheduledSeq], dev: torch.device,
+                       table_of: Callable[[ScheduledSeq], list[int]]) -> list[DecodeGroup]:
         """Split the length-sorted decodes into a few groups, each padded to its longest context."""
         bs = self.block_size
         groups: list[DecodeGroup] = []
@@ -282,7 +318,7 @@ class ModelRunner:
             nb = members[-1].start_pos // bs + 1
             block_ids: list[int] = []
             for s in members:
-                table = s.block_table[:nb]
+                table = table_of(s)[:nb]
                 block_ids.extend(table)
                 block_ids.extend([0] * (nb - len(table)))
             ctx = torch.tensor([s.start_pos + 1 for s in members], device=dev)
@@ -298,7 +334,7 @@ class ModelRunner:
         """The scheduler's block moves, in every KV cache (the draft model's too), on raw bytes (an FP8
         cache's float8 has no index_copy kernel)."""
         dev = self.model.device
-        caches = self.kv_caches if self.drafter is None else [*self.kv_caches, *self.drafter.caches]
+        caches = self.slot_caches
         if so.blocks_to_swap_out:
             src = torch.tensor([d for d, _ in so.blocks_to_swap_out], device=dev)
             dst = torch.tensor([c for _, c in so.blocks_to_swap_out])
@@ -317,6 +353,15 @@ class ModelRunner:
             for (k, v), (ck, cv) in zip(_raw(caches), _raw(self.cpu_caches)):
                 k[:, dst] = ck[:, src].to(dev)
                 v[:, dst] = cv[:, src].to(dev)
+
+
+def _first_table(s: ScheduledSeq) -> list[int]:
+    return s.block_table
+
+
+def _group_table(g: int) -> Callable[[ScheduledSeq], list[int]]:
+    """Group g's (g > 0) block table of a scheduled sequence."""
+    return lambda s: s.group_tables[g - 1]
 
 
 def _raw(caches: list) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .config import EngineConfig
-from .kv_cache import KVCacheManager
+from .kv_cache import NO_HIT, KVCacheManager
 from .request import SeqStatus, SequenceState
 from .scheduler_output import NewSequence, ScheduledSeq, SchedulerOutput
 
@@ -161,7 +161,7 @@ class Scheduler:
             victim = max(self.running, key=self._rank)
             if self._rank(victim) <= self._rank(top):
                 return
-            need = -(-len(top.token_ids) // self.kv.block_size)
+            need = self.kv.blocks_for(len(top.token_ids))
             if self._seats() + 1 + top.pending_forks <= self.config.max_num_seqs and self.kv.pool.num_free >= need:
                 return
             self.running.remove(victim)
@@ -187,11 +187,8 @@ class Scheduler:
             seq = self.swapped[0]
             if seats + 1 + seq.pending_forks > self.config.max_num_seqs or self._lora_full(seq, loras):
                 break
-            sb = self.kv.seqs[seq.seq_id]
-            assert sb.cpu_blocks is not None
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
-            grow = max(-(-(seq.num_computed + num_new) // self.kv.block_size) - len(sb.cpu_blocks), 0)
-            if self.kv.pool.num_free < len(sb.cpu_blocks) + grow:
+            if not self.kv.can_swap_in(seq.seq_id, seq.num_computed, num_new):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq.seq_id))
@@ -207,7 +204,6 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        bs = self.kv.block_size
         seats = self._seats()
         loras = self.running_loras()
         i = 0  # requests for an adapter past max_loras are passed over: they wait, the rest go
@@ -218,11 +214,11 @@ class Scheduler:
             if self._lora_full(seq, loras):
                 i += 1
                 continue
-            cached, keys = ([], []) if seq.wants_prompt_logprobs else self.kv.computed_prefix(
+            hit = NO_HIT if seq.wants_prompt_logprobs else self.kv.computed_prefix(
                 seq.seq_id, seq.token_ids, seq.lora_id)
-            num_cached = len(cached) * bs
+            num_cached = hit.num_blocks * self.kv.block_size
             num_new = min(len(seq.token_ids) - num_cached, budget)
-            copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, cached, keys, seq.lora_id)
+            copies = self.kv.allocate(seq.seq_id, seq.token_ids, num_cached, num_new, hit, seq.lora_id)
             if copies is None:
                 break
             self.kv.record_prefix_lookup(len(seq.token_ids), num_cached)
@@ -249,6 +245,7 @@ class Scheduler:
                 token_ids=seq.token_ids[start : start + num_new] + drafts,
                 start_pos=start,
                 block_table=list(self.kv.block_table(seq.seq_id)),
+                group_tables=[list(t) for t in self.kv.group_tables(seq.seq_id)],
                 sample=sample,
                 prompt_logprobs=seq.wants_prompt_logprobs and start < seq.num_prompt,
                 forks=seq.fork_ids if sample else [],

@@ -41,6 +41,9 @@ class ScheduledSeq:
     # verified in this pass; the sampling starts at the row of the last known token
     draft_token_ids: list[int] = field(default_factory=list)
     lora_id: int = 0  # the LoRA adapter this sequence runs (lora.py), 0 for the base model
+    # the block tables of the KV cache groups after the first (kv_groups.py; none for a model whose
+    # layers are one attention kind): `block_table` is the first group's
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -152,7 +152,8 @@ class Drafter:
             drafting = [s for s in drafting if len(s.draft_token_ids) > j]
             if not drafting:
                 return
-            feed = [ScheduledSeq(s.seq_id, [s.draft_token_ids[j - 1]], s.start_pos + j, s.block_table, sample=True)
+            feed = [ScheduledSeq(s.seq_id, [s.draft_token_ids[j - 1]], s.start_pos + j, s.block_table, sample=True,
+                                 group_tables=s.group_tables)
                     for s in drafting]
             hidden, sampling, _ = forward(SchedulerOutput(scheduled=feed), self.model, self.caches)
             row_of = {s.seq_id: row for row, s in sampling}

@@ -44,6 +44,9 @@ class Attention:
         """[N, heads * head_dim] for the step's tokens; `rotations` is `rope.at(positions)` (None with kernels)."""
         k_cache, v_cache = kv_cache
         scales = getattr(kv_cache, "scales", None)  # an FP8 cache's (attention.LayerKV)
+        group = getattr(kv_cache, "group", 0)  # its KV cache group's block tables (kv_groups.py)
+        if group:
+            meta = meta.groups[group]
         n, hd, nh, nkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qs, kvs = self.q_size, self.kv_size
         v = qkv[:, qs + kvs :].view(n, nkv, hd)

@@ -31,6 +31,7 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    window: int = 0  # the layer's sliding window, 0 for full attention (its KV cache group: kv_groups.py)
 
     def bytes_per_block(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

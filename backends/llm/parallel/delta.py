@@ -1,6 +1,6 @@
 """A step's SchedulerOutput as the delta rank 0 ships (`Shipper`) and as a worker rebuilds it
-(`Receiver`): both keep every live sequence's block table as the workers last saw it, so only its
-change travels."""
+(`Receiver`): both keep every live sequence's block tables (one per KV cache group) as the workers
+last saw them, so only their change travels."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Shipper:
     """Rank 0's side: what the workers hold of each sequence's block table."""
 
     def __init__(self) -> None:
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # every KV cache group's (kv_groups.py)
 
     def delta(self, so: SchedulerOutput) -> StepDelta:
         tables = self.tables
@@ -32,10 +32,12 @@ class Shipper:
         steps = []
         for s in so.scheduled:
             held = tables.get(s.seq_id)
-            keep = 0 if held is None else _common(held, s.block_table)
-            tables[s.seq_id] = list(s.block_table)
-            steps.append(SeqStep(s.seq_id, s.token_ids, s.start_pos, keep, s.block_table[keep:], s.sample,
-                                 s.prompt_logprobs, s.forks, s.draft_token_ids))
+            now = [s.block_table, *s.group_tables]
+            keeps = [0] * len(now) if held is None else [_common(h, t) for h, t in zip(held, now)]
+            tables[s.seq_id] = [list(t) for t in now]
+            steps.append(SeqStep(s.seq_id, s.token_ids, s.start_pos, keeps[0], s.block_table[keeps[0]:], s.sample,
+                                 s.prompt_logprobs, s.forks, s.draft_token_ids,
+                                 [(k, t[k:]) for k, t in zip(keeps[1:], now[1:])]))
         return StepDelta([NewSeq(n.seq_id, n.index, n.prompt_ids, n.params) for n in so.new_seqs], steps,
                          so.finished_seq_ids, so.blocks_to_swap_out, so.blocks_to_copy, so.blocks_to_swap_in)
 
@@ -44,7 +46,7 @@ class Receiver:
     """A worker's side: the SchedulerOutput rank 0 had, rebuilt from its delta."""
 
     def __init__(self) -> None:
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}
 
     def output(self, d: StepDelta) -> SchedulerOutput:
         tables = self.tables
@@ -52,9 +54,10 @@ class Receiver:
             tables.pop(sid, None)
         scheduled = []
         for s in d.scheduled:
-            table = tables.get(s.seq_id, [])[: s.keep] + s.blocks
-            tables[s.seq_id] = table
-            scheduled.append(ScheduledSeq(s.seq_id, s.token_ids, s.start_pos, table, s.sample, s.prompt_logprobs,
-                                          s.forks, s.draft_token_ids))
+            held = tables.get(s.seq_id) or [[]] * (1 + len(s.groups))
+            now = [h[:keep] + blocks for h, (keep, blocks) in zip(held, [(s.keep, s.blocks), *s.groups])]
+            tables[s.seq_id] = now
+            scheduled.append(ScheduledSeq(s.seq_id, s.token_ids, s.start_pos, now[0], s.sample, s.prompt_logprobs,
+                                          s.forks, s.draft_token_ids, group_tables=now[1:]))
         return SchedulerOutput(scheduled, [NewSequence(n.seq_id, n.index, n.prompt_ids, n.params) for n in d.new],
                                d.finished, d.swap_out, d.copy, d.swap_in)

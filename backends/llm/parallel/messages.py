@@ -55,6 +55,7 @@ class SeqStep(Message):
     prompt_logprobs: bool
     forks: list[tuple[str, int]]
     draft_token_ids: list[int]
+    groups: list[tuple[int, list[int]]]  # (keep, blocks) of each KV cache group's table after the first
 
 
 class StepDelta(Message):
