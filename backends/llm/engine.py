@@ -22,6 +22,7 @@ from . import kernels, kv_fp8
 from .config import CacheConfig, EngineConfig, ParallelConfig
 from .input_processor import InputProcessor, check_text_length
 from .kv_cache import KVCacheManager
+from .kv_groups import max_seq_tokens
 from .layers.linear import gemm_dtype, onednn_available
 from .layers.lora import LoRABatch
 from .lora import Adapter, LoRAManager
@@ -201,8 +202,8 @@ class LLMEngine:
         num_blocks = self.runner.num_blocks
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, self.runner.num_cpu_blocks,
                                  self.runner.kv_windows)
-        # a sequence fits alone even with every KV cache group holding each of its blocks
-        self.max_model_len = min(self.max_model_len, num_blocks // len(self.kv.windows) * cache.block_size)
+        fits = max_seq_tokens(self.kv.windows, num_blocks, cache.block_size, sched.max_num_batched_tokens)
+        self.max_model_len = self.max_model_len if fits is None else min(self.max_model_len, fits)
         self.execute = self.runner.execute if self.executor is None else self.executor.execute
         self.lora: LoRAManager | None = None
         if cfg.lora.enable_lora:  # the projections get the LoRA method; the runner sets its rows each step

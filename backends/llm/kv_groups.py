@@ -43,6 +43,19 @@ def group_layers(specs: Sequence[KVCacheSpec]) -> list[KVCacheGroup]:
             for w in sorted(kinds) for i in range(0, len(kinds[w]), size)]
 
 
+def max_seq_tokens(windows: Sequence[int], num_blocks: int, block_size: int, chunk: int) -> int | None:
+    """The longest sequence that fits in `num_blocks` alone (None: any, when no group attends to
+    everything): a full-attention group holds each of its blocks, a sliding one at most those of its
+    window, the block being written and a prefill chunk's (`chunk` tokens); at least the tokens that
+    fit with every group holding every block."""
+    floor = num_blocks // len(windows) * block_size
+    full = sum(1 for w in windows if not w)
+    room = num_blocks - sum((w - 1) // block_size + 2 + -(-chunk // block_size) for w in windows if w)
+    if room < 0:
+        return floor
+    return None if not full else max(floor, room // full * block_size)
+
+
 def num_slots(groups: Sequence[KVCacheGroup]) -> int:
     """Cache tensor pairs the groups' layers share: the largest group's layer count."""
     return max(len(g.layers) for g in groups)

@@ -157,4 +157,5 @@ class LlamaForCausalLM:
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """Each layer's attention's KV heads: a tensor-parallel rank's share of them (parallel/shard.py)."""
-        return [KVCacheSpec(layer.attn.num_kv_heads, layer.attn.head_dim, self.dtype) for layer in self.layers]
+        return [KVCacheSpec(layer.attn.num_kv_heads, layer.attn.head_dim, self.dtype, layer.attn.window)
+                for layer in self.layers]
