@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pier.contract import llm
 from pier.contract.errors import PierError, invalid_arg, not_found
 from pier.lifecycle.lifecycle import ModelLifecycle, ModelVersions
+from pier.lifecycle.loaded_model import LoadedModel
 from pier.lifecycle.state import ModelState
 from pier.repository import disk, model_config, source
 from pier.repository.disk import LoadOverride
@@ -277,7 +279,20 @@ class RepositoryManager:
             if reason:
                 row["reason"] = reason
             rows.append(row)
+            if vr.state is ModelState.READY and vr.loaded is not None:
+                rows.extend(self._adapter_rows(record.name, str(v), vr.loaded))
         return rows
+
+    def _adapter_rows(self, base: str, version: str, model: LoadedModel) -> list[dict[str, str]]:
+        """The LoRA adapters a READY LLM version serves beside itself (lora_modules, multi_lora.json,
+        loaded at run time): a row each, under the base's version, READY, the reason naming the base
+        and the folder, as the OpenAI `model` field reaches them. A model of the same name wins (as
+        there)."""
+        info = model.instances[0].info() if model.instances else {}
+        adapters = info.get(llm.INFO_LORA_ADAPTERS) or {}
+        return [{"name": a, "version": version, "state": ModelState.READY.value,
+                 "reason": f"LoRA adapter of '{source.model_name(base)}' ({path})"}
+                for a, path in sorted(adapters.items()) if a not in self._entries]
 
     # ---- reconcile -----------------------------------------------------------------------
 

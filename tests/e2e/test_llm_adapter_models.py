@@ -137,6 +137,7 @@ def test_load_brings_the_base_and_answers_by_its_own_name(setup) -> None:
     assert cards["ad"]["parent"] == "base" and Path(cards["ad"]["root"]).resolve() == versions[1].resolve()
     assert "max_model_len" not in cards["ad"]  # as vLLM lists an adapter
     assert not any(k.startswith("pier-adapter-model:") for k in cards), cards  # the internal name stays inside
+    assert not any(n.startswith("pier-adapter-model:") for n, _ in _index(server))
 
 
 def test_rollout_1_to_2_by_weights_and_one_call_rollback(setup) -> None:

@@ -2,8 +2,9 @@
 relative to the model's folder) and Triton's multi_lora.json, picked by the OpenAI `model` field;
 greedy answers equal PEFT's PeftModel + transformers token for token, base and two adapters sent at
 once; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with its codes and texts; /v1/models
-lists the adapters with root and parent; a corrupt adapter fails its load, named, and the server
-keeps serving; vllm:lora_requests_info as vLLM exports it; Triton's `lora_name` on generate."""
+lists the adapters with root and parent, and so does the repository index; a corrupt adapter fails
+its load, named, and the server keeps serving; vllm:lora_requests_info as vLLM exports it; Triton's
+`lora_name` on generate."""
 
 from __future__ import annotations
 
@@ -73,6 +74,19 @@ def test_models_list_adapters(setup) -> None:
     for name, path in adapters.items():
         assert cards[name]["parent"] == "base" and Path(cards[name]["root"]).resolve() == path.resolve()
         assert "max_model_len" not in cards[name]
+
+
+def test_the_index_lists_the_adapters(setup) -> None:
+    """A row per adapter served beside the base, under the base's version, READY, naming the base."""
+    server, _, _, adapters, _ = setup
+    for ready in (False, True):
+        rows = requests.post(server.base() + "/v2/repository/index", json={"ready": ready}, timeout=10).json()
+        assert {"name": "base", "version": "1", "state": "READY"} in rows
+        for name, path in adapters.items():
+            row = next(r for r in rows if r["name"] == name)
+            head = "LoRA adapter of 'base' ("
+            assert {**row, "reason": ""} == {"name": name, "version": "1", "state": "READY", "reason": ""}, row
+            assert row["reason"].startswith(head) and Path(row["reason"][len(head):-1]).resolve() == path.resolve()
 
 
 def test_load_and_unload_answer_as_vllm(setup, tmp_path: Path) -> None:
