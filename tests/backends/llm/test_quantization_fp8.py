@@ -8,6 +8,7 @@ per-tensor / per-channel ones run W8A8 through torch._scaled_mm (scripts/gpu_che
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,13 @@ def packed(eng: LLMEngine, name: str) -> PackedWeight:
 
 
 @pytest.mark.parametrize("style", sorted(FP8_STYLES))
-def test_fp8_checkpoint_equals_transformers_on_dequantized_weights(llama_dir, prompts, tmp_path, style):
+def test_fp8_checkpoint_equals_transformers_on_dequantized_weights(llama_dir, prompts, tmp_path, style, caplog):
     quantized, dequantized = fp8_pair(llama_dir, tmp_path, style)
+    caplog.set_level(logging.INFO)
     eng = engine(quantized)
+    line = next(r.getMessage() for r in caplog.records if r.name.endswith("models.quantization"))
+    assert "FP8 E4M3 weights" in line and "8 of 8 projections packed" in line, line
+    assert "FP8 de-quantized per call (weight-only)" in line, line  # the startup log says what runs
     assert [o[0] for o in eng.generate(prompts, GREEDY)] == hf_greedy(dequantized, prompts, 16)
     # the held weights: E4M3 bytes, de-quantized exactly as the reference computed from the packed tensors
     q, ref = load_file(str(quantized / "model.safetensors")), load_file(str(dequantized / "model.safetensors"))
