@@ -13,10 +13,11 @@ round (the first to run rotates), each alone on the machine while it runs:
   batching (`-cb`) and `-c` 64 x 512 (each slot 512 tokens: a prompt and its 128 answers), as its
   README says to serve concurrent requests; the GGUF's own chat template (`--jinja`);
 - llama-cpp-python: `python -m llama_cpp.server` (llama-cpp-python[server] from PyPI, built from source
-  in its own venv), `n_threads=2`, `n_threads_batch=2`, `n_ctx` 2048: its server has no parallel slots
-  or continuous batching (one request at a time behind a lock), and no `ignore_eos`, so its requests
-  carry `logit_bias` {EOS: -100} to run their 128 tokens; it does not report usage on streams, so its
-  tokens are counted as streamed chunks (one token each).
+  in its own venv), `n_threads=2`, `n_threads_batch=2`, `n_ctx` 2048, `interrupt_requests` off (its
+  default lets each new request cut the running one short): its server has no parallel slots or
+  continuous batching (one request at a time behind a lock) and no `ignore_eos` (a `logit_bias` on EOS
+  made it take 34 s for 40 tokens), so its answers end at the end of turn, shorter than the others';
+  it does not report usage on streams, so its tokens are counted as streamed chunks (one token each).
 
 Each is skipped with a note where it is absent (PIER_LLAMA_SERVER: the llama-server binary;
 PIER_LLAMA_CPP_PYTHON: the venv's python; defaults under ~, bench/README.md). Reported: output tok/s,
@@ -47,7 +48,6 @@ from bench.llm_process import PierServer, _children, _cpu_s
 from bench.llm_real_model import TOKENS, Chat, _prefix_share, _spread, chats
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EOS = 2  # <|im_end|>
 LLAMA_SERVER = Path(os.environ.get("PIER_LLAMA_SERVER", os.path.expanduser(
     "~/llamacpp-src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")))
 LLAMA_CPP_PYTHON = Path(os.environ.get("PIER_LLAMA_CPP_PYTHON", os.path.expanduser("~/llamacpp-venv/bin/python")))
@@ -103,7 +103,8 @@ def llama_server(path: Path, tmp: Path) -> LlamaCpp:
 
 def llama_cpp_python(path: Path, tmp: Path) -> LlamaCpp:
     return LlamaCpp([str(LLAMA_CPP_PYTHON), "-m", "llama_cpp.server", "--model", str(path), "--model_alias", MODEL,
-                     "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "2048"], free_port(), tmp,
+                     "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "2048", "--interrupt_requests",
+                     "False"], free_port(), tmp,
                     "llama-cpp-python")
 
 
@@ -190,9 +191,11 @@ def main() -> None:
             if LLAMA_CPP_PYTHON.is_file():
                 s = llama_cpp_python(path, tmp)
                 stop.append(s)
-                contenders["llama-cpp-python"] = _served(s.base, s.proc.pid, {"logit_bias": {str(EOS): -100}})
+                contenders["llama-cpp-python"] = _served(s.base, s.proc.pid, {})
                 res["settings"]["llama-cpp-python"] = ("llama_cpp.server 0.3.36, n_threads 2, n_threads_batch 2, "
-                                                       "n_ctx 2048; no parallel slots (one request at a time)")
+                                                       "n_ctx 2048, interrupt_requests False; no parallel slots (one "
+                                                       "request at a time), no ignore_eos (its answers stop at the "
+                                                       "end of turn)")
             else:
                 res["runs"]["llama-cpp-python"] = f"skipped: no python at {LLAMA_CPP_PYTHON} (bench/README.md)"
             for run in contenders.values():  # warm-up
@@ -253,7 +256,7 @@ def write_report(res: dict[str, Any], name: str, rounds: int) -> Path:
     lines += [f"- {text}: {_spread(values)}" for text, values in res["ratios"].items()]
     if res["same_text_as_pier"]:
         lines += ["", "Answers against Pier's (first round; past the end of turn the servers differ by design: Pier "
-                  "ignores EOS, llama-server bans it, llama-cpp-python gets it biased away): " + "; ".join(
+                  "ignores EOS, llama-server bans it, llama-cpp-python stops at it): " + "; ".join(
                       f"{k}: {v['same']} of {res['requests']} the same text, {v['prefix_share']:.0%} of Pier's text "
                       "repeated on average before the first difference" for k, v in res["same_text_as_pier"].items())
                   + "."]
