@@ -72,11 +72,13 @@ def test_packed_blocks_dequantize_to_gguf_py_bit_for_bit(tmp_path, kind):
     want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     assert torch.equal(p.dequantize(), want)
     ops = kernels.load()
-    if ops is not None:
-        x = torch.randn(5, cols)
-        out = torch.empty(5, rows)
-        ops.quant_linear(out, x, p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
-        torch.testing.assert_close(out, x @ want.t(), rtol=1e-4, atol=1e-4)
+    if ops is not None:  # 5 rows (a partial tile of x) and 40 (whole tiles): each row's sums alike
+        x = torch.randn(40, cols)
+        few, many = torch.empty(5, rows), torch.empty(40, rows)
+        ops.quant_linear(few, x[:5].contiguous(), p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
+        ops.quant_linear(many, x, p.q, p.scales, p.zeros, p.bits, p.group, p.offset)
+        torch.testing.assert_close(many, x @ want.t(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(many[:5], few)  # the same sums in the same order whatever the row count
 
 
 def test_the_metadata_carries_tokenizer_and_chat_template(tmp_path):
