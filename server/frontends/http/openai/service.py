@@ -152,12 +152,12 @@ class OpenAIHandlers:
                      if llm.INFO_LORA_PARENT not in info}}
         data = [{"id": m, "object": "model", "created": created, "owned_by": "pier", "root": m, "parent": None,
                  llm.INFO_MAX_MODEL_LEN: limit} for m, limit in sorted(served.items())]
-        # LoRA adapters as vLLM lists them: root = the adapter's folder, parent = the base, no max_model_len
+        # LoRA adapters as vLLM 0.32 lists them: root = the adapter's folder, parent = the base, max_model_len null
         # (adapter models too: root = the folder of the version unversioned requests reach first)
         adapters = {**lora_adapters(llms), **{m: (info[llm.INFO_LORA_PARENT], info[llm.INFO_LORA_ROOT])
                                               for m, info in llms.items() if llm.INFO_LORA_PARENT in info}}
-        data += [{"id": a, "object": "model", "created": created, "owned_by": "pier", "root": path, "parent": base}
-                 for a, (base, path) in sorted(adapters.items())]
+        data += [{"id": a, "object": "model", "created": created, "owned_by": "pier", "root": path, "parent": base,
+                  llm.INFO_MAX_MODEL_LEN: None} for a, (base, path) in sorted(adapters.items())]
         return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
