@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, loadavg, machine
-from bench.llm_bench import RESULTS, log
+from bench.llm_bench import RESULTS, interleaved_runs, log
 from bench.llm_openai_bench import MODEL
 from bench.llm_process import PierServer, _children, _cpu_s
 from bench.llm_real_model import TOKENS, Chat, _prefix_share, _spread, chats
@@ -200,15 +200,7 @@ def main() -> None:
                 res["runs"]["llama-cpp-python"] = f"skipped: no python at {LLAMA_CPP_PYTHON} (bench/README.md)"
             for run in contenders.values():  # warm-up
                 run(chats(2))
-            runs: dict[str, list[dict[str, Any]]] = {n: [] for n in contenders}
-            convs = chats(a.requests)
-            for r in range(a.rounds):
-                names = list(contenders)
-                k = r % len(names)
-                for name in names[k:] + names[:k]:
-                    out = runs[name]
-                    out.append(contenders[name](convs))
-                    log(f"round {r}: {name}: {out[-1]['tok_s']:.1f} tok/s, TTFT p50 {out[-1]['ttft_p50_s']:.2f} s")
+            runs = interleaved_runs(contenders, [chats(a.requests)] * a.rounds)
         finally:
             for s in stop:
                 s.stop()

@@ -26,8 +26,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +43,25 @@ VOCAB = 4096
 
 def log(msg: str) -> None:
     print(f"[llm-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+W = TypeVar("W")
+
+
+def interleaved_runs(contenders: Mapping[str, Callable[[W], dict[str, Any]]], workloads: Sequence[W],
+                     label: str = "") -> dict[str, list[dict[str, Any]]]:
+    """Each contender's result per round, one round per workload: in round r the contenders go in their
+    order rotated by r, so each goes first in turn and a ratio within a round compares like with like."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r, work in enumerate(workloads):
+        k = r % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            out = contenders[name](work)
+            runs[name].append(out)
+            ttft = f", TTFT p50 {out['ttft_p50_s']:.2f} s" if "ttft_p50_s" in out else ""
+            log(f"{label}round {r}: {name}: {out['tok_s']:.1f} tok/s{ttft}")
+    return runs
 
 
 # -- model and workload ---------------------------------------------------------------------------

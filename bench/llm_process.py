@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import free_port, loadavg, machine
-from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, log, vllm_unavailable, workload
+from bench.llm_bench import CACHE, RESULTS, ROOT, build_model, interleaved_runs, log, vllm_unavailable, workload
 from bench.llm_bench import run_pier as run_offline
 from bench.llm_openai_bench import MODEL, VllmServer, _drive, _wait_models
 from bench.revisions import old_pier_path, worktree
@@ -302,14 +302,7 @@ def main() -> None:
                 res["runs"]["vLLM OpenAI server"] = why
             for run in contenders.values():  # warm-up: first requests compile kernels, fill caches
                 run(workload(4, 99))
-            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-            for r, reqs in enumerate(workloads):
-                names = list(contenders)
-                k = r % len(names)  # each contender goes first in turn (interleaved rounds)
-                for name in names[k:] + names[:k]:
-                    out = contenders[name](reqs)
-                    runs[name].append(out)
-                    log(f"round {r}: {name}: {out['tok_s']:.1f} tok/s")
+            runs = interleaved_runs(contenders, workloads)
         finally:
             for s in servers:
                 s.stop()

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import loadavg, machine
-from bench.llm_bench import RESULTS, ROOT, log, vllm_unavailable
+from bench.llm_bench import RESULTS, ROOT, interleaved_runs, log, vllm_unavailable
 from bench.llm_openai_bench import MODEL, VllmServer
 from bench.llm_process import OfflineProcess, PierServer, _children, _cpu_s
 from bench.revisions import old_pier_path, worktree
@@ -171,15 +171,7 @@ def run_dtype(folder: Path, dtype: str, a: argparse.Namespace, tmp: Path, res: d
                 res["runs"][f"vLLM {short}"] = why
             for run in contenders.values():  # warm-up: kernels compile, caches fill
                 run(chats(4))
-            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-            convs = chats(a.requests)
-            for r in range(a.rounds):
-                names = list(contenders)
-                k = r % len(names)
-                for name in names[k:] + names[:k]:
-                    out = contenders[name](convs)
-                    runs[name].append(out)
-                    log(f"{dtype} round {r}: {name}: {out['tok_s']:.1f} tok/s")
+            runs = interleaved_runs(contenders, [chats(a.requests)] * a.rounds, f"{dtype} ")
         finally:
             for s in stop:
                 s.stop()
