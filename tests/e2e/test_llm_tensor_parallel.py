@@ -11,8 +11,9 @@ import os
 import shutil
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -51,6 +52,17 @@ def _generate(base: str, model: str, text: str, params: dict) -> requests.Respon
                          json={"text_input": text, "sampling_parameters": json.dumps(params)})
 
 
+def _three_running(pool: ThreadPoolExecutor, server: Any, model: str) -> list[Future[requests.Response]]:
+    """Three long generations of `model` sent through `pool`, returned once the engine runs all three."""
+    futures = [pool.submit(_generate, server.base(), model, f"prompt {i}", LONG) for i in range(3)]
+    deadline = time.monotonic() + 60
+    while requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text.find(
+            f'vllm:num_requests_running{{model_name="{model}"}} 3') < 0:
+        assert time.monotonic() < deadline, "the requests never ran"
+        time.sleep(0.05)
+    return futures
+
+
 def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
     from tests.backends.llm.tiny_model import build_model
 
@@ -81,12 +93,7 @@ def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
         hammer = Hammer(server.http_url)  # the other model, the whole time: not one failure allowed
 
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_generate, base, "tp2", f"prompt {i}", LONG) for i in range(3)]
-            deadline = time.monotonic() + 60
-            while requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text.find(
-                    'vllm:num_requests_running{model_name="tp2"} 3') < 0:
-                assert time.monotonic() < deadline, "the requests never ran"
-                time.sleep(0.05)
+            futures = _three_running(pool, server, "tp2")
             os.kill(ranks[0], signal.SIGKILL)
             killed_at = time.monotonic()
             answers = [f.result() for f in futures]

@@ -11,7 +11,6 @@ non-zero saying so; nothing is left behind (processes, listening ports, /dev/shm
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -27,6 +26,7 @@ import requests
 
 from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
 from tests.e2e.test_llm_engine_process import Hammer, _alive, _engine_pids
+from tests.e2e.test_llm_tensor_parallel import _generate, _state, _three_running
 
 pytestmark = pytest.mark.llm
 
@@ -34,7 +34,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("tritonclient.http")
 
 GREEDY = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
-LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 PROMPTS = ("The quick brown fox", "Once upon a time in a land far")
 CONFIG = ('backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "4000000" } }\n'
           'parameters { key: "num_threads" value { string_value: "1" } }\n')
@@ -85,17 +84,6 @@ class Worker:
             self.proc.wait()
 
 
-def _generate(base: str, model: str, text: str, params: dict) -> requests.Response:
-    return requests.post(f"{base}/v2/models/{model}/generate", timeout=120,
-                         json={"text_input": text, "sampling_parameters": json.dumps(params)})
-
-
-def _state(base: str, model: str) -> tuple[str, str]:
-    rows = requests.post(f"{base}/v2/repository/index", json={}, timeout=10).json()
-    row = next(r for r in rows if r["name"] == model)
-    return row.get("state", ""), row.get("reason", "")
-
-
 def _until_ready(base: str, model: str, deadline: float, log: str) -> list[tuple[str, str]]:
     states = []
     while requests.get(f"{base}/v2/models/{model}/ready", timeout=10).status_code != 200:
@@ -105,17 +93,23 @@ def _until_ready(base: str, model: str, deadline: float, log: str) -> list[tuple
     return states
 
 
-def test_a_rank_from_another_machine(tmp_path: Path) -> None:
+def _repository(tmp_path: Path, name: str, size: int, port: int) -> Path:
+    """tp1 (one rank) and `name`, the same weights on `size` ranks over 2 machines (rank 0 at `port`)."""
     from tests.backends.llm.tiny_model import build_model
 
-    port = _port_pair()
     repo = tmp_path / "repo"
     build_model(repo / "tp1" / "1", "llama")
     (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
-    shutil.copytree(repo / "tp1" / "1", repo / "tpm" / "1")
-    (repo / "tpm" / "config.pbtxt").write_text(
+    shutil.copytree(repo / "tp1" / "1", repo / name / "1")
+    (repo / name / "config.pbtxt").write_text(
         CONFIG + "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in (
-            ("tensor_parallel_size", 2), ("nnodes", 2), ("master_addr", "127.0.0.1"), ("master_port", port))))
+            ("tensor_parallel_size", size), ("nnodes", 2), ("master_addr", "127.0.0.1"), ("master_port", port))))
+    return repo
+
+
+def test_a_rank_from_another_machine(tmp_path: Path) -> None:
+    port = _port_pair()
+    repo = _repository(tmp_path, "tpm", 2, port)
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     shm_before = set(os.listdir("/dev/shm"))
     workers = [Worker(port, tmp_path / "worker1.log")]  # started first: it waits for rank 0
@@ -130,12 +124,7 @@ def test_a_rank_from_another_machine(tmp_path: Path) -> None:
         hammer = Hammer(server.http_url)  # the other model, the whole time: not one failure allowed
 
         with ThreadPoolExecutor(3) as pool:  # kill -9 of the worker under load
-            futures = [pool.submit(_generate, base, "tpm", f"prompt {i}", LONG) for i in range(3)]
-            deadline = time.monotonic() + 60
-            while requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text.find(
-                    'vllm:num_requests_running{model_name="tpm"} 3') < 0:
-                assert time.monotonic() < deadline, "the requests never ran"
-                time.sleep(0.05)
+            futures = _three_running(pool, server, "tpm")
             killed = workers[0].proc.pid
             os.kill(killed, signal.SIGKILL)
             killed_at = time.monotonic()
@@ -186,16 +175,8 @@ def test_a_rank_from_another_machine(tmp_path: Path) -> None:
 def test_four_ranks_on_two_machines(tmp_path: Path) -> None:
     """tensor_parallel_size 4 on 2 machines: rank 0 and its child rank 1 here, ranks 2 and 3 joining
     as `pier tp-worker`s; a worker that says it is rank 1 (a rank of rank 0's own machine) is refused."""
-    from tests.backends.llm.tiny_model import build_model
-
     port = _port_pair()
-    repo = tmp_path / "repo"
-    build_model(repo / "tp1" / "1", "llama")
-    (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
-    shutil.copytree(repo / "tp1" / "1", repo / "tp4" / "1")
-    (repo / "tp4" / "config.pbtxt").write_text(
-        CONFIG + "".join(f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}\n' for k, v in (
-            ("tensor_parallel_size", 4), ("nnodes", 2), ("master_addr", "127.0.0.1"), ("master_port", port))))
+    repo = _repository(tmp_path, "tp4", 4, port)
     workers = [Worker(port, tmp_path / f"worker{r}.log", r) for r in (2, 3, 1)]  # all waiting as the group forms
     server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
     try:
