@@ -11,9 +11,10 @@ from pathlib import Path
 
 from bench import report
 from bench.common import ROOT, Settings, log, temp_dir
-from bench.measure import perf_analyzer_point
+from bench.measure import Point, perf_analyzer_point
 from bench.server_cpu import metered
 from bench.servers import (
+    Server,
     Servers,
     copy_without_queue_delay,
     measure,
@@ -29,6 +30,36 @@ PIER, TRITON, BARE_HTTP, BARE_GRPC = "Pier", "Triton 2.51", "bare aiohttp", "bar
 PIER_NO_DELAY = "Pier, no queue delay"
 CONCURRENCY = [1, 8]
 MODEL = "identity_fp32"
+
+
+def identity_point(pa: Path, settings: Settings, server: Server, protocol: str, concurrency: int, label: str,
+                   notes: list[str]) -> Point | None:
+    """One perf_analyzer point on `MODEL` (batch 1, INPUT0 [16]) with the server's CPU per request; logged,
+    None (and a note) when it could not be measured."""
+    url = server.http if protocol == "http" else server.grpc
+    assert url is not None, f"{server.name} has no {protocol} port"
+    pt = measure(server, lambda: metered(server, MODEL, lambda: perf_analyzer_point(
+        pa, settings, MODEL, url, protocol, concurrency, ["--shape", "INPUT0:16"], label)), label, notes)
+    if pt is not None:
+        cpu = f", server CPU {pt.server_cpu_us:,.0f} µs/req" if pt.server_cpu_us else ""
+        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.2f} ms "
+            f"p99 {pt.p99_us / 1000:.2f} ms{cpu}{'' if pt.stable else ' (unstable)'}")
+    return pt
+
+
+def identity_rounds(pa: Path, settings: Settings, groups: list[tuple[report.Group, str]],
+                    up: dict[str, Server | None], notes: list[str]) -> None:
+    """settings.rounds interleaved rounds of every (group, protocol) at each concurrency, the started
+    servers of a group back to back in an order that rotates each round."""
+    for rnd in range(settings.rounds):
+        for group, proto in groups:
+            names = round_order(group.servers, up, rnd)
+            for c in CONCURRENCY:
+                for name in names:
+                    server = up[name]
+                    assert server is not None
+                    group.add(name, c, identity_point(pa, settings, server, proto, c,
+                                                      f"round {rnd + 1} {proto} c={c} {name}", notes))
 
 
 def run(settings: Settings) -> Path:
@@ -54,22 +85,7 @@ def run(settings: Settings) -> Path:
             BARE_GRPC: servers.add(BARE_GRPC, start_bare_grpc),
         }
         notes += servers.left_out_notes()
-        for rnd in range(settings.rounds):
-            for group, proto in ((http, "http"), (grpc, "grpc")):
-                names = round_order(group.servers, up, rnd)
-                for c in CONCURRENCY:
-                    for name in names:
-                        srv = up[name]
-                        label = f"round {rnd + 1} {proto} c={c} {name}"
-                        pt = measure(srv, lambda s=srv, p=proto, c=c, lb=label: metered(s, MODEL, lambda: (
-                            perf_analyzer_point(pa, settings, MODEL, s.http if p == "http" else s.grpc, p, c,
-                                                ["--shape", "INPUT0:16"], lb))), label, notes)
-                        if pt is None:
-                            continue
-                        cpu = f", server CPU {pt.server_cpu_us:,.0f} µs/req" if pt.server_cpu_us else ""
-                        log(f"{label}: {pt.throughput:,.0f} infer/s p50 {pt.p50_us / 1000:.2f} ms "
-                            f"p99 {pt.p99_us / 1000:.2f} ms{cpu}{'' if pt.stable else ' (unstable)'}")
-                        group.add(name, c, pt)
+        identity_rounds(pa, settings, [(http, "http"), (grpc, "grpc")], up, notes)
 
     targets = [  # issue 30: Pier at the Python limit (≥ 0.8× bare aiohttp, ≥ 0.85× bare grpc.aio)
         http.target("HTTP c=1: Pier ≥ 0.8× bare aiohttp", PIER, 1, BARE_HTTP, 0.8),

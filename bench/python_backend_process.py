@@ -14,7 +14,6 @@ PIER_REFERENCE_TOOLS (its triton-reference/): without it that row is skipped wit
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import threading
@@ -201,18 +200,7 @@ def run(settings: Settings) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.python_backend_process", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="short measurement windows and one round")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 1 quick, 3 full)")
-    args = p.parse_args(argv)
-    settings = Settings.make(args.quick, args.rounds)
-    log(settings.describe())
-    try:
-        written = run(settings)
-    except KeyboardInterrupt:
-        log("interrupted")
-        return 130
-    return report.finish([written], [])
+    return report.settings_main("bench.python_backend_process", __doc__, run, argv)
 
 
 if __name__ == "__main__":

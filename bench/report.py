@@ -3,13 +3,15 @@ other reports share (the result files, matplotlib, per-round ratio summaries).""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, git_describe, loadavg, log, machine
+from bench.common import RESULTS, ROOT, Settings, git_describe, loadavg, log, machine
 from bench.measure import Point, fmt_ms, fmt_rate, median_point
 
 
@@ -267,3 +269,19 @@ def finish(written: list[Path], failed: list[str]) -> int:
 
 def started_info() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load": loadavg()}
+
+
+def settings_main(module: str, doc: str | None, run: Callable[[Settings], Path], argv: list[str] | None = None) -> int:
+    """`python -m MODULE [--quick] [--rounds N]` for a benchmark whose `run(settings)` writes one report."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="short measurement windows and one round")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 1 quick, 3 full)")
+    args = p.parse_args(argv)
+    settings = Settings.make(args.quick, args.rounds)
+    log(settings.describe())
+    try:
+        written = run(settings)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    return finish([written], [])

@@ -29,6 +29,7 @@ from pier.dataplane.response_cache import ResponseCache
 from pier.dataplane.services import PlaneServices
 from pier.frontends import guards, restrictions
 from pier.frontends.grpc.servicer import start_grpc_server
+from pier.frontends.http import fastpath
 from pier.frontends.http.app import build_app
 from pier.frontends.http.middleware import quiet_client_mistakes
 from pier.frontends.metrics import CONTENT_TYPE, MetricsConfig, MetricsRenderer
@@ -150,7 +151,8 @@ class PierServer:
         # in the LLM engine), as gRPC does; load/unload run to completion regardless (control_plane).
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        site = web.TCPSite(runner, address, port, reuse_address=True, reuse_port=reuse_port or None)
+        site_type = fastpath.InferSite if fastpath.FAST_INFER in app else web.TCPSite
+        site = site_type(runner, address, port, reuse_address=True, reuse_port=reuse_port or None)
         await site.start()
         self._runners.append(runner)
         return site

@@ -18,9 +18,9 @@ from pier.dataplane.plane import DataPlane, InferencePlane
 from pier.frontends import restrictions
 from pier.frontends.apidoc import document as apidoc
 from pier.frontends.guards import ApiKeys, RateLimiter
-from pier.frontends.http import codec, generate, openai
+from pier.frontends.http import codec, fastpath, generate, openai
 from pier.frontends.http.errors import error_response
-from pier.frontends.http.infer import InferHandler
+from pier.frontends.http.infer import InferHandler, web_reply
 from pier.frontends.http.middleware import error_middleware, gateway_headers, guard_middleware, restrict_middleware
 from pier.frontends.status.page import StatusPage
 from pier.lifecycle.loaded_model import LoadedModel
@@ -282,15 +282,19 @@ class HttpHandlers:
     async def infer(self, request: web.Request) -> web.Response:
         received = self.inference.received()
         body, json_length = await self.inference.read(request)
-        model, version = request.match_info["model"], _version(request)
-        resolved = None  # the JSON and binary paths decode without the model: the plane resolves it
+        infer_request, resolved = self.decode_infer(request.match_info["model"], _version(request), body, json_length)
+        return await self.inference.answer(request.headers, infer_request, received, resolved,
+                                           web_reply(request.headers))
+
+    def decode_infer(self, model: str, version: str, body: bytes,
+                     json_length: int | None) -> tuple[InferenceRequest, LoadedModel | None]:
+        """The request an infer body makes, and the version it runs on when decoding needed it
+        (the JSON and binary paths decode without the model: the plane resolves it)."""
         if json_length == 0:  # a raw binary body: decoded against the signature of the version it runs on
             resolved = self.plane.resolve(model, version)
-            infer_request = codec.decode_raw_request(model, version, self.plane.describe(resolved, not version),
-                                                     resolved.spec.max_batch_size > 0, body)
-        else:
-            infer_request = codec.decode_request(model, version, body, json_length, self.plane.shared_memory)
-        return await self.inference.answer(request, infer_request, received, resolved)
+            return codec.decode_raw_request(model, version, self.plane.describe(resolved, not version),
+                                            resolved.spec.max_batch_size > 0, body), resolved
+        return codec.decode_request(model, version, body, json_length, self.plane.shared_memory), None
 
 
 # Whole-body cap: binary tensor data is not bounded by --http-max-input-size (as in Triton), but
@@ -364,6 +368,8 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
         r.add_get(path, h.trace_get)
         r.add_post(path, h.trace_update)
+    if not (guards is not None and (guards[0].enabled or guards[1].enabled)) and "inference" not in (restricted or {}):
+        fastpath.install(app, h)  # served below aiohttp where it can (fastpath.InferSite)
     openai.add_routes(app, plane, max_input_size)
     if metrics is not None:
         r.add_get("/metrics", metrics)

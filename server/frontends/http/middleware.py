@@ -33,8 +33,12 @@ def request_id(request: web.Request) -> str:
     carries it back (gateway_headers) and the OpenAI API names its answer by it."""
     rid: str | None = request.get(_REQUEST_ID_KEY)
     if rid is None:
-        rid = request[_REQUEST_ID_KEY] = request.headers.get(REQUEST_ID) or f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+        rid = request[_REQUEST_ID_KEY] = request.headers.get(REQUEST_ID) or new_request_id()
     return rid
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 LOAD_FORMAT, LOAD_METRICS = "endpoint-load-metrics-format", "endpoint-load-metrics"

@@ -43,7 +43,7 @@ from pier.frontends.grpc.servicer import _lenient, _translate, bind_and_start, g
 from pier.frontends.guards import ApiKeys, RateLimiter, presented_key
 from pier.frontends.http import codec as http_codec
 from pier.frontends.http.app import MAX_BODY_BYTES, Handler, close_when_exiting
-from pier.frontends.http.infer import InferHandler
+from pier.frontends.http.infer import InferHandler, web_reply
 from pier.frontends.http.middleware import (
     LOAD_FORMAT,
     error_middleware,
@@ -201,7 +201,7 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
                 plane.refund(model, key)
             return await proxy(request, body)
         infer_request = http_codec.decode_parsed(model, request.match_info.get("version", ""), doc, blobs)
-        return await h.answer(request, infer_request, received)
+        return await h.answer(request.headers, infer_request, received, None, web_reply(request.headers))
 
     served = _around(infer_here, stack)
 
