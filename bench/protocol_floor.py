@@ -8,8 +8,10 @@ concurrency 1 and 8, with the server's CPU time per request:
 - gRPC: Pier; python-limit's bare grpc.aio server (generated servicer); the same with ModelInfer on a
   generic handler whose answer is bytes written by hand (bench/floor/generic_grpc.py), the
   alternative grpc.aio offers to building and serialising a response message.
-Rounds are interleaved (the order rotates). The report's notes turn the CPU figures into the
-per-request budget Pier's own work would have at issue 30's targets.
+Rounds are interleaved (the order rotates). The report's notes split Pier's CPU per request into
+its protocol layer's (the echo server of the layer Pier answers on: raw HTTP, since Pier serves a
+plain infer below aiohttp; grpc.aio's generated servicer) and its own work, and give the budget
+issue 30's targets leave that work.
 
     python -m bench.protocol_floor [--quick] [--rounds N]
 
@@ -70,23 +72,23 @@ def _cpu(group: report.Group, server: str, c: int) -> float | None:
     return statistics.median(values) if values else None
 
 
-def budget_notes(group: report.Group, bare: str, floor: str, target: float) -> list[str]:
-    """Per concurrency: Pier's own CPU per request (Pier's minus the bare server's), the budget the
-    target leaves it, and the ratio Pier would reach on the `floor` layer with its own work unchanged."""
+def budget_note(title: str, c: int, cpu: dict[str, float], bare: str, layer: str, target: float) -> str:
+    """Pier's CPU per request split into its protocol layer's (measured as the `layer` echo server,
+    the layer Pier answers on) and its own work, and what the target leaves that work (`cpu`:
+    server -> median CPU µs per request)."""
+    pier, base, low = cpu[PIER], cpu[bare], cpu[layer]
+    budget = base / target
+    return (f"{title} c={c}: server CPU per request Pier {pier:,.0f} µs = its protocol layer ({layer}: "
+            f"{low:,.0f} µs) + its own work ({pier - low:,.0f} µs); {bare} {base:,.0f} µs. At {target}× {bare} "
+            f"(at most {budget:,.0f} µs per request) Pier's own work may cost {budget - low:,.0f} µs.")
+
+
+def budget_notes(group: report.Group, bare: str, layer: str, target: float) -> list[str]:
     notes = []
     for c in CONCURRENCY:
-        pier, base, low = _cpu(group, PIER, c), _cpu(group, bare, c), _cpu(group, floor, c)
-        if pier is None or base is None:
-            continue
-        own = pier - base
-        text = (f"{group.title.split(',')[0]} c={c}: server CPU per request Pier {pier:,.0f} µs, "
-                f"{bare} {base:,.0f} µs: Pier's own work {own:,.0f} µs per request. At {target}× {bare} "
-                f"(CPU per request at most {base / target:,.0f} µs) Pier's own work may cost "
-                f"{base / target - base:,.0f} µs")
-        if low is not None:
-            text += (f"; on the {floor} layer ({low:,.0f} µs) it may cost {base / target - low:,.0f} µs, and with "
-                     f"today's {own:,.0f} µs Pier would reach about {base / (low + own):.2f}× {bare}")
-        notes.append(text + ".")
+        cpu = {name: v for name in (PIER, bare, layer) if (v := _cpu(group, name, c)) is not None}
+        if len(cpu) == 3:
+            notes.append(budget_note(group.title.split(",")[0], c, cpu, bare, layer, target))
     return notes
 
 
@@ -109,7 +111,9 @@ def run(settings: Settings) -> Path:
         }
         notes += servers.left_out_notes()
         identity_rounds(pa, settings, [(http, "http"), (grpc, "grpc")], up, notes)
-    notes += budget_notes(http, BARE_HTTP, RAW_HTTP, 0.8) + budget_notes(grpc, BARE_GRPC, GENERIC_GRPC, 0.85)
+    # Pier answers a plain infer below aiohttp's web layer (server/frontends/http/fastpath.py), and on
+    # grpc.aio's generated servicer
+    notes += budget_notes(http, BARE_HTTP, RAW_HTTP, 0.8) + budget_notes(grpc, BARE_GRPC, BARE_GRPC, 0.85)
     targets = [
         grpc.target(f"gRPC c={c}: the generic handler answers ≥ 1.05× the generated servicer (worth adopting)",
                     GENERIC_GRPC, c, BARE_GRPC, 1.05) for c in CONCURRENCY
