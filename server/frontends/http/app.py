@@ -324,7 +324,8 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     `metrics`: the metrics port's handler, also served here at /metrics as vLLM's server does (so
     scrape jobs written for vLLM work); `status_page`: the status page, at / and /api/status."""
     middlewares = [error_middleware] + ([restrict_middleware(restricted)] if restricted else [])
-    if guards is not None and (guards[0].enabled or guards[1].enabled):
+    guarded = guards is not None and (guards[0].enabled or guards[1].enabled)
+    if guards is not None and guarded:
         middlewares.append(guard_middleware(*guards))
     app = web.Application(middlewares=middlewares, client_max_size=max(max_input_size, MAX_BODY_BYTES))
     close_when_exiting(app, plane)
@@ -368,7 +369,7 @@ def build_app(plane: DataPlane, control: ControlPlane, max_input_size: int,
     for path in ("/v2/trace/setting", "/v2/models/{model}/trace/setting"):
         r.add_get(path, h.trace_get)
         r.add_post(path, h.trace_update)
-    if not (guards is not None and (guards[0].enabled or guards[1].enabled)) and "inference" not in (restricted or {}):
+    if not guarded and "inference" not in (restricted or {}):  # the fast path has no middleware
         fastpath.install(app, h)  # served below aiohttp where it can (fastpath.InferSite)
     openai.add_routes(app, plane, max_input_size)
     if metrics is not None:

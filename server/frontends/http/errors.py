@@ -27,6 +27,11 @@ def error_response(status: int, message: str) -> web.Response:
                         content_type="application/json")
 
 
+def internal_error(exc: Exception) -> web.Response:
+    """A bug's answer: 500 naming the exception, never a dropped connection."""
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def from_error(exc: PierError) -> web.Response:
     response = error_response(http_status(exc.code), exc.message)
     if exc.retry_after is not None:  # an overloaded model: when to try again

@@ -25,7 +25,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.compression_utils import ZLibCompressor
@@ -33,11 +33,14 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 
 from pier.contract.errors import PierError
+from pier.contract.types import InferenceRequest
+from pier.dataplane.plane import DataPlane
 from pier.frontends.http import codec
-from pier.frontends.http.errors import error_response, from_error
-from pier.frontends.http.infer import COMPRESS_MIN_BYTES
+from pier.frontends.http.errors import from_error, internal_error
+from pier.frontends.http.infer import COMPRESS_MIN_BYTES, InferHandler
 from pier.frontends.http.middleware import LOAD_FORMAT, REQUEST_ID, new_request_id
 from pier.frontends.http.middleware import log as http_log
+from pier.lifecycle.loaded_model import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,16 @@ _HIGH_WATER = 1 << 18  # bytes read ahead of the request being served (pipelined
 _MAX_LINE = 8190  # aiohttp's limit on a request or header line
 KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout: an idle kept-alive connection closes after it
 _CODINGS = (("deflate", "deflate"), ("gzip", "gzip"))  # aiohttp's preference when the client accepts both
+
+
+class HttpHandlers(Protocol):
+    """What this protocol uses of app.HttpHandlers (which builds the FastInfer)."""
+
+    plane: DataPlane
+    inference: InferHandler
+
+    def decode_infer(self, model: str, version: str, body: bytes,
+                     json_length: int | None) -> tuple[InferenceRequest, LoadedModel | None]: ...
 
 
 class _Headers:
@@ -106,10 +119,10 @@ class FastInfer:
     """What the connections of one HTTP endpoint share: the handlers, aiohttp's protocol factory
     for the requests handed over, and the open connections (closed when the server stops)."""
 
-    def __init__(self, handlers: Any, max_body: int) -> None:
-        self.handlers = handlers  # app.HttpHandlers (decode_infer, inference, plane)
+    def __init__(self, handlers: HttpHandlers, max_body: int) -> None:
+        self.handlers = handlers
         self.max_body = max_body  # aiohttp's client_max_size: a longer body is its to refuse (413)
-        self.fallback: Callable[[], asyncio.Protocol] = lambda: asyncio.Protocol()  # InferSite sets aiohttp's
+        self.fallback: Callable[[], asyncio.Protocol] | None = None  # aiohttp's protocol factory (InferSite)
         self.connections: weakref.WeakSet[InferProtocol] = weakref.WeakSet()
         self.stopping = False
 
@@ -248,6 +261,7 @@ class InferProtocol(asyncio.Protocol):
         if self.idle_timer is not None:
             self.idle_timer.cancel()
         self.closing = True  # this protocol is done with it
+        assert self.shared.fallback is not None, "InferSite sets aiohttp's protocol factory when it starts"
         protocol = self.shared.fallback()
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
@@ -295,7 +309,7 @@ class InferProtocol(asyncio.Protocol):
         except Exception as exc:  # never let a bug turn into a dropped connection
             log.exception("unhandled error on POST %s (%s %s)", _path(model, version), REQUEST_ID,
                           headers.get(REQUEST_ID))
-            return _from_response(error_response(500, f"internal error: {type(exc).__name__}: {exc}"))
+            return _from_response(internal_error(exc))
 
     def _write(self, answer: _Answer, request_id: str, close: bool) -> None:
         lines = [f"HTTP/1.1 {answer.status} {answer.reason}"]
@@ -354,7 +368,7 @@ async def _compressed(answer: _Answer, accepted: str) -> _Answer:
 FAST_INFER = web.AppKey("pier.fast_infer", FastInfer)
 
 
-def install(app: web.Application, handlers: Any) -> None:
+def install(app: web.Application, handlers: HttpHandlers) -> None:
     fast = app[FAST_INFER] = FastInfer(handlers, app._client_max_size)
     app.on_shutdown.append(fast.stop)
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pier.contract.errors import PierError
 from pier.frontends.guards import ApiKeys, RateLimiter, limited_message, presented_key
-from pier.frontends.http.errors import error_response, from_error
+from pier.frontends.http.errors import error_response, from_error, internal_error
 from pier.frontends.restrictions import Rules
 
 log = logging.getLogger("pier.http")
@@ -110,7 +110,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # never let a bug turn into a dropped connection
         log.exception("unhandled error on %s %s (%s %s)", request.method, request.path, REQUEST_ID,
                       request_id(request))
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return internal_error(exc)
 
 
 
