@@ -31,6 +31,7 @@ from aiohttp import web
 from aiohttp.compression_utils import ZLibCompressor
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_response import CONTENT_CODINGS, ContentCoding
 
 from pier.contract.errors import PierError
 from pier.contract.types import InferenceRequest
@@ -55,7 +56,6 @@ _MAX_HEAD = 65536  # a head that is not complete by then is aiohttp's to refuse
 _HIGH_WATER = 1 << 18  # bytes read ahead of the request being served (pipelined ones): beyond, reading pauses
 _MAX_LINE = 8190  # aiohttp's limit on a request or header line
 KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout: an idle kept-alive connection closes after it
-_CODINGS = (("deflate", "deflate"), ("gzip", "gzip"))  # aiohttp's preference when the client accepts both
 
 
 class HttpHandlers(Protocol):
@@ -356,11 +356,13 @@ def _path(model: str, version: str) -> str:
 
 async def _compressed(answer: _Answer, accepted: str) -> _Answer:
     """The answer compressed as aiohttp compresses a whole body the client accepts compressed."""
-    for token, coding in _CODINGS:
+    for token, coding in CONTENT_CODINGS.items():  # aiohttp's own choice: the first it finds accepted
         if token in accepted:
-            compressor = ZLibCompressor(encoding=coding)
+            if coding is ContentCoding.identity:
+                return answer
+            compressor = ZLibCompressor(encoding=token)
             body = await compressor.compress(answer.body) + compressor.flush()
-            return _Answer(answer.status, answer.reason, [*answer.headers, ("Content-Encoding", coding)], body)
+            return _Answer(answer.status, answer.reason, [*answer.headers, ("Content-Encoding", token)], body)
     return answer
 
 
