@@ -83,6 +83,16 @@ class PierProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_log(self, text: str, timeout: float = 60) -> None:
+        """Until `text` is on the server's log (on two shared cores it may take a while); AssertionError
+        with the log after `timeout` s, the server killed (a failed test leaves none behind)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"{text!r} never came on the server's log:\n{self.log()}")
+            time.sleep(0.1)
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

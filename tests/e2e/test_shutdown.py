@@ -18,6 +18,8 @@ import requests
 from tests.conftest import PierProcess, start_pier
 from tests.model_builders import slow_model, write_sleep_models
 
+HOLD_S = 4.0  # how long the held request keeps the drain open
+
 pytestmark = pytest.mark.frontends  # the server tells its frontends when it drains, then stops them
 
 SLOW_CONFIG = """name: "slow"
@@ -33,6 +35,7 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     (repo / "slow" / "1").mkdir(parents=True)
     (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
     (repo / "slow" / "1" / "model.onnx").write_bytes(slow_model())
+    write_sleep_models(repo)
     server = start_pier([repo], log_path=tmp_path / "log")
     body = {"inputs": [{"name": "X", "shape": [1, 256], "datatype": "FP32", "data": [1.0] * 256}]}
     url = f"{server.base()}/v2/models/slow/infer"
@@ -55,6 +58,22 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
         t.start()
+    # and one that holds the drain open for seconds, so that the requests sent after SIGTERM surely
+    # come while it lasts (once nothing is in flight, an idle kept-alive connection is closed)
+    held: dict[str, float | int | str] = {}
+
+    def hold() -> None:
+        sleep = {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [HOLD_S]}]}
+        try:
+            answer = requests.post(f"{server.base()}/v2/models/sleep_py/infer", json=sleep, timeout=60)
+            held["status"] = answer.status_code
+        except requests.RequestException as exc:
+            held["status"] = repr(exc)
+        held["done"] = time.monotonic()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    server.wait_for_log("sleep_py: sleeping")
     time.sleep(min(0.5, one / 2))  # all four accepted; one running, three queued
     unfinished = 4 - len(results)
     server.proc.send_signal(signal.SIGTERM)
@@ -77,6 +96,10 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     assert live.status_code == 200  # draining, alive
     for t in threads + sends:
         t.join(120)
+    sent_by = time.monotonic()
+    holder.join(60)
+    assert held["status"] == 200, (held, server.log())
+    assert sent_by < held["done"], "the drain ended before the requests sent during it: test proves nothing"
     late, again = during["late"], during["again"]
     assert unfinished >= 2, f"requests finished before SIGTERM ({one:.3f}s each): test proves nothing"
     assert results == [200, 200, 200, 200], (results, server.log())
