@@ -3,12 +3,14 @@ loopback ports (tests talk to it with tritonclient, grpc and plain HTTP)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,6 +104,18 @@ class PierProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def private_tmpdir(tmp_path: Path) -> dict[str, str]:
+    """A server's own TMPDIR (its scratch folders, which the test checks): `tmp_path/tmp`, given to
+    it as a short link in /tmp, since under a path as long as pytest's they would be made in /tmp
+    instead (pier.ipc.child.scratch_folder). Other servers on the machine use the shared one."""
+    real = tmp_path / "tmp"
+    real.mkdir()
+    short = Path(tempfile.mkdtemp(prefix="pier-t-", dir="/tmp"))
+    (short / "t").symlink_to(real)
+    atexit.register(shutil.rmtree, short, True)  # the link (not what it points to), when pytest ends
+    return {"TMPDIR": str(short / "t")}
 
 
 def start_pier(repos: list[Path], *extra: str, log_path: Path, wait_ready: bool = True,

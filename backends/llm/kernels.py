@@ -6,10 +6,16 @@ weights, layers/quantized.py) are compiled once per machine and torch version (a
 cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and loaded as the
 `torch.ops.pier_llm` namespace. Where no C++ compiler is present the build fails once, is logged,
 and the engine keeps the pure-torch path.
+
+Processes load them one at a time under an flock of their build folder, which the kernel releases
+when its holder dies. torch's own guard is a `lock` file that a process killed while it loads leaves
+behind, and torch waits for that file to go away, forever: every later load on the machine would
+hang. Under the flock, a `lock` file can only be such a leftover, and it is removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -62,18 +68,22 @@ def _build() -> Any | None:
 
         start = time.monotonic()
         log.info("loading the LLM CPU kernels (compiled on first use on this machine, about 15 s)")
-        cpp_extension.load(
-            # The sources' digest names the library: checkouts with different kernels keep one
-            # cached build each instead of rebuilding over each other in the shared cache folder,
-            # and a header change rebuilds too (torch's versioning hashes only the sources).
-            name=f"pier_llm_kernels_{_digest()}",
-            sources=[str(s) for s in _SOURCES],
-            # OpenMP: ATen's parallel_for is header code.
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        # The sources' digest names the library: checkouts with different kernels keep one cached
+        # build each instead of rebuilding over each other in the shared cache folder, and a header
+        # change rebuilds too (torch's versioning hashes only the sources).
+        name = f"pier_llm_kernels_{_digest()}"
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with open(folder / "pier.lock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # one loader at a time; released when this process dies
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a process that died while it loaded the kernels", stale)
+                stale.unlink(missing_ok=True)
+            cpp_extension.load(
+                name=name, build_directory=str(folder), sources=[str(s) for s in _SOURCES],
+                # OpenMP: ATen's parallel_for is header code.
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+                verbose=False)
         log.info("LLM CPU kernels ready in %.1f s", time.monotonic() - start)
         return torch.ops.pier_llm
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

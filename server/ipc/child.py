@@ -107,11 +107,21 @@ _SCRATCH: set[str] = set()  # the owners' private folders (socket files), remove
 _SCRATCH_LOCK = threading.Lock()  # held while a scratch folder is being removed
 
 
+# A socket file's path must fit sockaddr_un's sun_path (108 bytes with its NUL): a scratch folder
+# leaves this many bytes for the names its owners give their sockets.
+SOCKET_NAME_MAX = 32
+SUN_PATH_MAX = 107
+
+
 def scratch_folder(prefix: str) -> str:
     """A private temporary folder for a child's transport (Unix or ZeroMQ ipc:// socket files),
     made with mode 0700 so only this user can connect; its owner removes it (drop_scratch), and
-    so does kill_all() when the server cannot wait for the owners."""
-    path = tempfile.mkdtemp(prefix=prefix)
+    so does kill_all() when the server cannot wait for the owners. It is made in the temporary
+    folder (TMPDIR), or in /tmp where that path is too long for a socket's name under it."""
+    parent = tempfile.gettempdir()
+    if len(os.path.join(parent, prefix + "x" * 8)) + 1 + SOCKET_NAME_MAX > SUN_PATH_MAX:
+        parent = "/tmp"
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
     with _LIVE_LOCK:
         _SCRATCH.add(path)
     return path

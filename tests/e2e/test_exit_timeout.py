@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import PierProcess, numpy_inputs, start_pier
+from tests.conftest import PierProcess, numpy_inputs, private_tmpdir, start_pier
 from tests.model_builders import write_sleep_models
 from tests.processes import alive, descendants
 
@@ -27,17 +27,11 @@ TIMEOUT_S = 3.0
 SLACK_S = 5.0  # two shared cores: the kill, the reaping and the log flush after the deadline
 
 
-def _private_tmp(tmp_path: Path) -> dict[str, str]:
-    """The server's own TMPDIR (its scratch folders: the frontends' sockets, the LLM core's)."""
-    (tmp_path / "tmp").mkdir()
-    return {"TMPDIR": str(tmp_path / "tmp")}
-
-
 def _server(tmp_path: Path, extra: str = "") -> PierProcess:
     repo = tmp_path / "repo"
     write_sleep_models(repo, extra)
     return start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log",
-                      env=_private_tmp(tmp_path))
+                      env=private_tmpdir(tmp_path))
 
 
 def _swallow(call: Callable[[], object]) -> Callable[[], None]:
@@ -123,7 +117,7 @@ def test_a_client_that_never_reads_cannot_hold_the_exit(tmp_path: Path) -> None:
     (repo / "tiny_llama" / "config.pbtxt").write_text(
         'backend: "llm"\nparameters { key: "kv_cache_memory_bytes" value { string_value: "8000000" } }\n')
     server = start_pier([repo], f"--exit-timeout-secs={TIMEOUT_S:g}", log_path=tmp_path / "log", timeout=120,
-                        env=_private_tmp(tmp_path))
+                        env=private_tmpdir(tmp_path))
     # about 10 MB of events (two choices, five alternatives per token): more than the socket buffers hold
     body = json.dumps({"model": "tiny_llama", "prompt": "never read", "max_tokens": 4000, "temperature": 1, "seed": 0,
                        "stream": True, "ignore_eos": True, "n": 2, "logprobs": 5}).encode()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import EXAMPLE_REPO, start_pier
+from tests.conftest import EXAMPLE_REPO, private_tmpdir, start_pier
 
 pytestmark = pytest.mark.llm
 
@@ -112,9 +112,8 @@ def test_kill_9_of_the_engine_process(tmp_path: Path) -> None:
     # The server's temporary folder is this test's own: other servers on the machine (tests run
     # side by side) make and remove their engines' socket folders in the shared one meanwhile.
     tmp = tmp_path / "tmp"
-    tmp.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
-    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=120, env={"TMPDIR": str(tmp)})
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=120, env=private_tmpdir(tmp_path))
     base = server.base()
     try:
         engines = _engine_pids(server.proc.pid)

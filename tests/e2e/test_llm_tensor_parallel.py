@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import EXAMPLE_REPO, start_pier
+from tests.conftest import EXAMPLE_REPO, private_tmpdir, start_pier
 from tests.e2e.test_llm_engine_process import Hammer, _alive, _children, _cmdline, _core_dirs, _engine_pids
 
 pytestmark = pytest.mark.llm
@@ -74,9 +74,8 @@ def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
     (repo / "tp1" / "config.pbtxt").write_text(CONFIG)
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     tmp = tmp_path / "tmp"  # the server's own temporary folder: its socket folders are checked at the end
-    tmp.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
-    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env={"TMPDIR": str(tmp)})
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=private_tmpdir(tmp_path))
     base = server.base()
     seen: list[int] = []
     try:

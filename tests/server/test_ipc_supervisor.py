@@ -297,3 +297,30 @@ def test_a_child_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
         assert not _alive(child)
     finally:
         parent.kill()
+
+
+def test_a_scratch_folder_leaves_room_for_socket_names_under_a_long_tmpdir(tmp_path: Path, monkeypatch) -> None:
+    """A TMPDIR too long for a socket's path under it: the scratch folder is made in /tmp instead,
+    and a socket with the longest name it promises binds there."""
+    import tempfile
+
+    from pier.ipc.child import SOCKET_NAME_MAX, drop_scratch, scratch_folder
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    short = scratch_folder("pier-x-")
+    try:
+        assert Path(short).parent == Path("/tmp")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.path.join(short, "n" * SOCKET_NAME_MAX))
+    finally:
+        drop_scratch(short)
+    roomy = tempfile.mkdtemp(dir="/tmp")  # short enough: TMPDIR is kept
+    monkeypatch.setattr(tempfile, "tempdir", roomy)
+    kept = scratch_folder("pier-x-")
+    try:
+        assert Path(kept).parent == Path(roomy)
+    finally:
+        drop_scratch(kept)
+        os.rmdir(roomy)

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -51,6 +52,7 @@ log = logging.getLogger("pier.llm")
 
 STOP_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 600.0
+WAIT_SAID_S = 30.0
 _NO_RESTART = RestartPolicy(0, 1.0)  # the group restarts as one (the engine core), never a rank alone
 
 
@@ -62,15 +64,19 @@ class _Link:
     """Rank 0's two sockets to one worker: steps out (PUSH), events in (PULL)."""
 
     def __init__(self, ctx: zmq.Context, folder: str, rank: int) -> None:
+        self.lock = threading.Lock()  # the steps socket: the engine's thread and the supervisor's
         self.steps = ctx.socket(zmq.PUSH)
         self.steps.setsockopt(zmq.LINGER, 0)
         self.steps.setsockopt(zmq.SNDHWM, 0)
         self.events = ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
         self.addresses = f"ipc://{folder}/tp-{os.getpid()}-{rank}-steps", f"ipc://{folder}/tp-{os.getpid()}-{rank}-events"
-        self.steps.bind(self.addresses[0])
-        self.events.bind(self.addresses[1])
-        self.lock = threading.Lock()  # the steps socket: the engine's thread and the supervisor's
+        try:
+            self.steps.bind(self.addresses[0])
+            self.events.bind(self.addresses[1])
+        except zmq.ZMQError:
+            self.close()
+            raise
 
     def send(self, data: bytes) -> None:
         with self.lock:
@@ -217,9 +223,16 @@ class TensorParallelExecutor:
             self._errors.append(exc)
 
     def connect(self, runner: ModelRunner) -> None:
-        """Once rank 0's shard is loaded: wait for the workers' (raises the first that failed), then join."""
-        for t in self._starts:
-            t.join()
+        """Once rank 0's shard is loaded: wait for the workers' (raises the first that failed), then join.
+        A long wait is said on the log every WAIT_SAID_S, naming the rank (a start that never ends
+        shows where it stopped)."""
+        since = time.monotonic()
+        for worker, t in zip(self.workers, self._starts, strict=True):
+            t.join(WAIT_SAID_S)
+            while t.is_alive():
+                log.warning("still waiting for tensor-parallel rank %d of %d to load its shard (%.0f s so far)",
+                            worker.rank, self.group.size, time.monotonic() - since)
+                t.join(WAIT_SAID_S)
         if self._errors:
             raise self._errors[0]
         blocks = {w.rank: w.num_blocks for w in self.workers}
@@ -285,7 +298,7 @@ class TensorParallelExecutor:
             self.shm.unlink()
             self.shm.close()
         self.group.leave()
-        self.zmq.term()
+        self.zmq.destroy(linger=0)  # every socket closed (term() would wait for one left open, forever)
         if self._own_folder:
             drop_scratch(self.folder)
         for fd in (self.wake_r, self._wake_w):

@@ -3,6 +3,10 @@ fused layer ops (RMSNorm, SiLU * up, RoPE + K/V cache write)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,20 @@ def op():
     if fn is None:
         pytest.skip("the C++ kernel did not build here (no compiler?); the engine uses torch attention")
     return fn
+
+
+def test_a_lock_file_left_by_a_killed_loader_does_not_hang_the_next_load(op) -> None:
+    """torch's `lock` file in the build folder, as a process killed while it loaded the kernels leaves
+    it (torch would wait for it to go away, forever): the next load removes it and loads."""
+    from torch.utils import cpp_extension
+
+    folder = Path(cpp_extension._get_build_directory(f"pier_llm_kernels_{kernels._digest()}", verbose=False))
+    (folder / "lock").touch()
+    code = "import sys; from pier.backends.llm import kernels; sys.exit(kernels.load() is None)"
+    try:
+        subprocess.run([sys.executable, "-c", code], timeout=90, check=True)
+    finally:
+        (folder / "lock").unlink(missing_ok=True)  # a failed run leaves no hang behind for the others
 
 
 def reference(q, k_t, v, tables, lens, scale):
