@@ -91,6 +91,21 @@ def test_one_connection_mixes_both_and_keeps_the_order(pier: PierProcess) -> Non
     assert "Request for unknown model: 'nope' is not found" in json.loads(answers[1][2])["error"]
 
 
+def test_a_request_handed_over_after_its_body_was_read_keeps_the_order(pier: PierProcess) -> None:
+    """A raw binary body, pipelined between two plain infers: one process serves it on the fast
+    path; a frontend process decides only once it has read the body that the server must decode it
+    (fastpath.HandOver) and hands the connection to aiohttp with that request's bytes put back in
+    front of the next one's, which aiohttp then serves."""
+    sock, reader = _connect(pier)
+    with sock:
+        sock.sendall(_request(INFER, _body([1])) + _request(INFER, b"\0\0\x80\x3f", [
+            ("Inference-Header-Content-Length", "0"), ("X-Request-Id", "raw")]) + _request(INFER, _body([3])))
+        answers = [reader.answer() for _ in range(3)]
+    assert [a[0] for a in answers] == [200, 200, 200], answers
+    assert _outputs(answers[0][2]) == [1] and _outputs(answers[2][2]) == [3]
+    assert answers[1][1]["x-request-id"] == "raw" and answers[1][2][-4:] == b"\0\0\x80\x3f", answers[1]
+
+
 def test_pipelined_on_a_fresh_connection(pier: PierProcess) -> None:
     sock, reader = _connect(pier)
     with sock:

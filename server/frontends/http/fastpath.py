@@ -13,7 +13,10 @@ Anything else (another path or method, HTTP/1.0, chunked or compressed bodies, `
 `Upgrade`, an ORCA load-report header, a header that is not plain ASCII or appears twice, a
 debug log that prints request lines) hands the connection to aiohttp at that request's first
 byte: aiohttp's own protocol takes the transport and every byte not yet answered, and serves the
-rest of the connection as it serves any. Answers stay in order (a request is taken from the buffer
+rest of the connection as it serves any. A frontend process (pier.frontends.workers.worker) uses
+this protocol too; what it must relay to the server after all, which it knows only once the body is
+read, its decode_infer answers with HandOver: the request's bytes go back in front of the buffer and
+the connection to aiohttp. Answers stay in order (a request is taken from the buffer
 only after the one before it was answered), and the socket is not read while the client does not
 read what was written or has sent more than _HIGH_WATER bytes ahead."""
 
@@ -35,7 +38,6 @@ from aiohttp.web_response import CONTENT_CODINGS, ContentCoding
 
 from pier.contract.errors import PierError
 from pier.contract.types import InferenceRequest
-from pier.dataplane.plane import DataPlane
 from pier.frontends.http import codec
 from pier.frontends.http.errors import from_error, internal_error
 from pier.frontends.http.infer import COMPRESS_MIN_BYTES, InferHandler
@@ -58,14 +60,32 @@ _MAX_LINE = 8190  # aiohttp's limit on a request or header line
 KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout: an idle kept-alive connection closes after it
 
 
-class HttpHandlers(Protocol):
-    """What this protocol uses of app.HttpHandlers (which builds the FastInfer)."""
+class _Plane(Protocol):
+    @property
+    def exiting(self) -> bool:  # the server drains: each answer says `Connection: close`
+        ...
 
-    plane: DataPlane
-    inference: InferHandler
+
+class HttpHandlers(Protocol):
+    """What this protocol uses of app.HttpHandlers (which builds the FastInfer), or of a frontend
+    process's handlers (pier.frontends.workers.worker)."""
+
+    @property
+    def plane(self) -> _Plane: ...
+
+    @property
+    def inference(self) -> InferHandler: ...
 
     def decode_infer(self, model: str, version: str, body: bytes,
-                     json_length: int | None) -> tuple[InferenceRequest, LoadedModel | None]: ...
+                     json_length: int | None) -> tuple[InferenceRequest, LoadedModel | None]:
+        """The request, and its version when decoding resolved it; HandOver: aiohttp's route serves it."""
+        ...
+
+
+class HandOver(Exception):
+    """decode_infer's answer for a request that aiohttp's route serves (a frontend process relays
+    one that names shared memory, or a raw binary body, to the server): the connection is handed
+    to aiohttp from this request on, its bytes put back first."""
 
 
 class _Headers:
@@ -212,8 +232,8 @@ class InferProtocol(asyncio.Protocol):
         self.last_active = time.monotonic()
         self.busy = asyncio.ensure_future(self._serve(*request))
 
-    def _parse(self) -> tuple[str, str, _Headers, bytes, bool] | bool | None:
-        """(model, version, headers, body, keep_alive) of the next request when it is whole and
+    def _parse(self) -> tuple[str, str, _Headers, bytes, bytes, bool] | bool | None:
+        """(model, version, headers, head, body, keep_alive) of the next request when it is whole and
         this protocol serves it; False: aiohttp serves it; None: not all of it is here yet."""
         buffer = self.buffer
         end = buffer.find(b"\r\n\r\n")
@@ -248,9 +268,9 @@ class InferProtocol(asyncio.Protocol):
         if len(buffer) < total:
             return None
         with memoryview(buffer) as view:
-            body = bytes(view[end + 4:total])
+            raw_head, body = bytes(view[:end + 4]), bytes(view[end + 4:total])
         del buffer[:total]
-        return match.group(1), match.group(2) or "", headers, body, connection != "close"
+        return match.group(1), match.group(2) or "", headers, raw_head, body, connection != "close"
 
     def _hand_over(self) -> None:
         """From this request on, aiohttp's protocol serves the connection (every byte not answered)."""
@@ -272,7 +292,7 @@ class InferProtocol(asyncio.Protocol):
         if data:
             protocol.data_received(data)
 
-    async def _serve(self, model: str, version: str, headers: _Headers, body: bytes,
+    async def _serve(self, model: str, version: str, headers: _Headers, head: bytes, body: bytes,
                      keep_alive: bool) -> None:
         """One request, answered; `busy` until its answer is written (a stopping endpoint closes
         only idle connections)."""
@@ -280,6 +300,11 @@ class InferProtocol(asyncio.Protocol):
             answer = await self._answer(model, version, headers, body)
             if "Accept-Encoding" in headers and len(answer.body) >= COMPRESS_MIN_BYTES:
                 answer = await _compressed(answer, headers["Accept-Encoding"].lower())
+        except HandOver:
+            self.busy = None
+            self.buffer[:0] = head + body  # aiohttp reads the request from its first byte
+            self._hand_over()
+            return
         finally:
             self.busy = None
         transport = self.transport
@@ -306,6 +331,8 @@ class InferProtocol(asyncio.Protocol):
             return answer
         except PierError as exc:
             return _from_response(from_error(exc))
+        except HandOver:
+            raise
         except Exception as exc:  # never let a bug turn into a dropped connection
             log.exception("unhandled error on POST %s (%s %s)", _path(model, version), REQUEST_ID,
                           headers.get(REQUEST_ID))

@@ -42,6 +42,7 @@ from pier.frontends.grpc.infer import UnaryInfer, rate_limited
 from pier.frontends.grpc.servicer import _lenient, _translate, bind_and_start, grpc_server
 from pier.frontends.guards import ApiKeys, RateLimiter, presented_key
 from pier.frontends.http import codec as http_codec
+from pier.frontends.http import fastpath
 from pier.frontends.http.app import MAX_BODY_BYTES, Handler, close_when_exiting
 from pier.frontends.http.infer import InferHandler, web_reply
 from pier.frontends.http.middleware import (
@@ -172,6 +173,24 @@ def _around(handler: Handler, middlewares: list[Any]) -> Handler:
     return handler
 
 
+class _FastHandlers:
+    """fastpath.HttpHandlers of a frontend process: an infer decoded as `infer_here` decodes it;
+    what `infer` relays to the server (a raw binary body, a request that names shared memory) is
+    handed to aiohttp's route, which relays it."""
+
+    def __init__(self, plane: RemotePlane, inference: InferHandler) -> None:
+        self.plane, self.inference = plane, inference
+
+    def decode_infer(self, model: str, version: str, body: bytes,
+                     json_length: int | None) -> tuple[InferenceRequest, None]:
+        if json_length == 0:
+            raise fastpath.HandOver
+        doc, blobs = http_codec.parse_infer_body(body, json_length)
+        if http_codec.names_shared_memory(doc):
+            raise fastpath.HandOver
+        return http_codec.decode_parsed(model, version, doc, blobs), None
+
+
 def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> web.Application:
     """The v2 infer routes, served here inside the guards' stack (restricted APIs, API keys: the
     rate limits are the server's, asked with `admit`), composed once; every other request, and an
@@ -220,6 +239,8 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version:[0-9]+}"):
         app.router.add_post(base + "/infer", infer)
     app.router.add_route("*", "/{tail:.*}", proxy)
+    if not stack and not limited:  # no guard to pass: the plain infers are served below aiohttp
+        fastpath.install(app, _FastHandlers(plane, h))
     return app
 
 
@@ -329,8 +350,9 @@ class Frontend:
                 runner = web.AppRunner(build_http_app(self.plane, settings, proxy), access_log=None,
                                        handle_signals=False, handler_cancellation=True, auto_decompress=False)
                 await runner.setup()
-                site = web.TCPSite(runner, settings.http_address, settings.http_port, reuse_address=True,
-                                   reuse_port=True)
+                site_type = fastpath.InferSite if fastpath.FAST_INFER in runner.app else web.TCPSite
+                site = site_type(runner, settings.http_address, settings.http_port, reuse_address=True,
+                                 reuse_port=True)
                 await site.start()
             if settings.allow_grpc:
                 forwarder = GrpcForwarder(paths["grpc"], settings.grpc_max_message_size)
