@@ -6,6 +6,7 @@ on the same machine at the same time, rounds interleaved so that the machine's d
     .venv/bin/python -m bench.ab --quick                # 1 round, short windows: a smoke run
     .venv/bin/python -m bench.ab --only identity        # or llm, sequence; comma-separated
     .venv/bin/python -m bench.ab --only sequence --out sequence_ab   # results under another name
+    .venv/bin/python -m bench.ab --only identity --serve-arg=--frontend-processes=2   # both sides so
 
 The old revision is checked out with `git worktree add --detach` in a temporary folder and served
 from there as `python -m server serve` (cwd and PYTHONPATH = that folder: before the restructuring
@@ -120,6 +121,7 @@ class Run:
     points: list[ABPoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()  # more `serve` flags, for both sides
 
     def pair(self, servers: Servers, what: str, start_old_fn: Callable[[], Server],
              start_new_fn: Callable[[], Server]) -> dict[str, Server]:
@@ -180,8 +182,8 @@ def run_perf_analyzer(run: Run, bench: str, fill: Callable[[Path], None], points
         return {"tput": pt.throughput, "p50_ms": pt.p50_us / 1000, **pt.to_dict()}
 
     with Servers() as servers:
-        up = run.pair(servers, bench, lambda: start_old(f"ab_old_{bench}", run.tree, repos["old"]),
-                      lambda: start_pier(f"ab_new_{bench}", repos["new"]))
+        up = run.pair(servers, bench, lambda: start_old(f"ab_old_{bench}", run.tree, repos["old"], *run.serve_args),
+                      lambda: start_pier(f"ab_new_{bench}", repos["new"], *run.serve_args))
         for rnd in range(settings.rounds):
             for p, point in measured.items():
                 run.measure_round(point, rnd, up, point.label, lambda s, lb, p=p: one(s, lb, p))
@@ -235,8 +237,8 @@ def run_llm(run: Run) -> None:
     with Servers() as servers:
         up = run.pair(
             servers, "llm",
-            lambda: ready(start_old("ab_old_llm", run.tree, repos["old"], timeout=LLM_START_TIMEOUT)),
-            lambda: ready(start_pier("ab_new_llm", repos["new"], timeout=LLM_START_TIMEOUT)))
+            lambda: ready(start_old("ab_old_llm", run.tree, repos["old"], *run.serve_args, timeout=LLM_START_TIMEOUT)),
+            lambda: ready(start_pier("ab_new_llm", repos["new"], *run.serve_args, timeout=LLM_START_TIMEOUT)))
 
         def drive(srv: Server, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
             res = asyncio.run(_drive(f"http://{srv.http}", reqs, LLM_STREAMS))
@@ -332,6 +334,7 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
              f"- old: `{old_rev}` = commit {old_desc}, served from a `git worktree` as `python -m server serve` "
              "(cwd and PYTHONPATH = the worktree)",
              f"- new: {new_desc} (`git describe`: {describe_head()}), served as `{' '.join(_pier_cmd())} serve`",
+             *([f"- both sides served with `{' '.join(run.serve_args)}`"] if run.serve_args else []),
              f"- machine: {machine()}; load average at start {started['load']}, at end {loadavg()}",
              f"- date: {started['date']} – {time.strftime('%H:%M:%S')}; {run.settings.describe()}",
              "- both servers run at once for the whole of their benchmark, on copies of the same model repository; "
@@ -397,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short perf_analyzer windows, fewer LLM requests, 1 round")
     p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     p.add_argument("--out", default="refactor_ab", help="the results' name: bench/results/NAME.{md,json,png}")
+    p.add_argument("--serve-arg", action="append", default=[], help="a `serve` flag for both sides (repeatable)")
     args = p.parse_args(argv)
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = [b for b in chosen if b not in BENCHMARKS]
@@ -407,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM -> KeyboardInterrupt for the whole run, so the finally blocks stop the servers and
     # remove the worktree (bench.servers.Servers does the same while servers are up).
     with sigterm_as_interrupt():
-        return _run(args.old, settings, chosen, args.out)
+        return _run(args.old, settings, chosen, args.out, tuple(args.serve_arg))
 
 
-def _run(old: str, settings: Settings, chosen: list[str], out: str = "refactor_ab") -> int:
+def _run(old: str, settings: Settings, chosen: list[str], out: str = "refactor_ab",
+         serve_args: tuple[str, ...] = ()) -> int:
     started = report.started_info()
     try:
         old_sha = git("rev-parse", "--short", f"{old}^{{commit}}")
@@ -425,7 +430,7 @@ def _run(old: str, settings: Settings, chosen: list[str], out: str = "refactor_a
     try:
         with worktree(old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
             check_old_imports(tree)
-            run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}")
+            run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}", serve_args=serve_args)
             for name, fn in (("identity", run_identity), ("sequence", run_sequence), ("llm", run_llm)):
                 if name not in chosen:
                     continue

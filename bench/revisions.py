@@ -87,11 +87,11 @@ def check_old_imports(tree: Path) -> None:
                            f"{(proc.stdout + proc.stderr).strip()[-800:]}")
 
 
-def start_old(name: str, tree: Path, repo: Path, timeout: float = 120) -> Server:
+def start_old(name: str, tree: Path, repo: Path, *extra: str, timeout: float = 120) -> Server:
     """The old worktree's server (`python -m pier` or, before the package was `pier`, `python -m
-    server`), with start_pier's flags, on free ports."""
+    server`), with start_pier's flags (and `extra`), on free ports."""
     module = "pier" if _is_pier_package(tree) else "server"
-    return start_pier(name, repo, timeout=timeout, command=[sys.executable, "-m", module], cwd=tree,
+    return start_pier(name, repo, *extra, timeout=timeout, command=[sys.executable, "-m", module], cwd=tree,
                       env=_old_env(tree))
 
 
