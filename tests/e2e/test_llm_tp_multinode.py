@@ -12,6 +12,7 @@ non-zero saying so; nothing is left behind (processes, listening ports, /dev/shm
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,20 +42,21 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo"}  # both ends on loopback
 
 
 def _port_pair() -> int:
-    """A free port p with p + 1 free too (the store, then the step channel)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
+    """A free port p with p + 1 free too (the store, then the step channel), below the ephemeral
+    range, as the default 29501 is: a worker that connects to 127.0.0.1:p + 1 before rank 0 listens
+    there retries, and a retry whose own ephemeral port is p + 1 connects to itself (TCP's
+    simultaneous open), which holds the port rank 0 then fails to bind (seen in CI)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, low - 1)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
                 continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
         return port
-    raise RuntimeError("no two free ports in a row")
+    raise RuntimeError(f"no two free ports in a row below {low}")
 
 
 def _listening(port: int) -> bool:
