@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import EXAMPLE_REPO, ROOT, start_pier
+from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, start_pier
 from tests.e2e.test_llm_engine_process import Hammer, _alive, _engine_pids
 from tests.e2e.test_llm_tensor_parallel import _generate, _state, _three_running
 
@@ -86,6 +86,16 @@ class Worker:
             self.proc.wait()
 
 
+def _start_with(workers: list[Worker], repo: Path, tmp_path: Path) -> PierProcess:
+    """The server for `workers` (already waiting for it); if it does not start, they are killed."""
+    try:
+        return start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
+
+
 def _until_ready(base: str, model: str, deadline: float, log: str) -> list[tuple[str, str]]:
     states = []
     while requests.get(f"{base}/v2/models/{model}/ready", timeout=10).status_code != 200:
@@ -115,7 +125,7 @@ def test_a_rank_from_another_machine(tmp_path: Path) -> None:
     shutil.copytree(EXAMPLE_REPO / "simple", repo / "simple")
     shm_before = set(os.listdir("/dev/shm"))
     workers = [Worker(port, tmp_path / "worker1.log")]  # started first: it waits for rank 0
-    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
+    server = _start_with(workers, repo, tmp_path)
     base = server.base()
     try:
         for text in PROMPTS:  # the 2-rank model (one rank remote) answers as the 1-rank one
@@ -180,7 +190,7 @@ def test_four_ranks_on_two_machines(tmp_path: Path) -> None:
     port = _port_pair()
     repo = _repository(tmp_path, "tp4", 4, port)
     workers = [Worker(port, tmp_path / f"worker{r}.log", r) for r in (2, 3, 1)]  # all waiting as the group forms
-    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=ENV)
+    server = _start_with(workers, repo, tmp_path)
     try:
         stranger = workers[2]
         assert stranger.wait() == 1
