@@ -301,7 +301,6 @@ class InferProtocol(asyncio.Protocol):
             if "Accept-Encoding" in headers and len(answer.body) >= COMPRESS_MIN_BYTES:
                 answer = await _compressed(answer, headers["Accept-Encoding"].lower())
         except HandOver:
-            self.busy = None
             self.buffer[:0] = head + body  # aiohttp reads the request from its first byte
             self._hand_over()
             return

@@ -183,12 +183,19 @@ class _FastHandlers:
 
     def decode_infer(self, model: str, version: str, body: bytes,
                      json_length: int | None) -> tuple[InferenceRequest, None]:
-        if json_length == 0:
+        infer_request = None if json_length == 0 else _decoded_here(model, version, body, json_length)
+        if infer_request is None:
             raise fastpath.HandOver
-        doc, blobs = http_codec.parse_infer_body(body, json_length)
-        if http_codec.names_shared_memory(doc):
-            raise fastpath.HandOver
-        return http_codec.decode_parsed(model, version, doc, blobs), None
+        return infer_request, None
+
+
+def _decoded_here(model: str, version: str, body: bytes, json_length: int | None) -> InferenceRequest | None:
+    """The infer request a body makes, decoded here; None when its JSON header puts a tensor in
+    shared memory: the regions are the server's, so the request is relayed to it."""
+    doc, blobs = http_codec.parse_infer_body(body, json_length)
+    if http_codec.names_shared_memory(doc):
+        return None
+    return http_codec.decode_parsed(model, version, doc, blobs)
 
 
 def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> web.Application:
@@ -214,12 +221,11 @@ def build_http_app(plane: RemotePlane, settings: Settings, proxy: HttpProxy) -> 
                 return limited_response(request.path, model, *refused)
         received = h.received()
         body, json_length = await h.read(request)
-        doc, blobs = http_codec.parse_infer_body(body, json_length)
-        if http_codec.names_shared_memory(doc):  # the regions are the server's: it serves this one
+        infer_request = _decoded_here(model, request.match_info.get("version", ""), body, json_length)
+        if infer_request is None:  # the regions are the server's: it serves this one
             if limited:
                 plane.refund(model, key)
             return await proxy(request, body)
-        infer_request = http_codec.decode_parsed(model, request.match_info.get("version", ""), doc, blobs)
         return await h.answer(request.headers, infer_request, received, None, web_reply(request.headers))
 
     served = _around(infer_here, stack)
