@@ -4,7 +4,9 @@ loopback ports (tests talk to it with tritonclient, grpc and plain HTTP)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,10 +59,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(marker)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A free loopback port p (p .. p + count - 1 all free) below the ephemeral range: a port there
+    is never drawn as an outgoing connection's source port, which could take it between this check
+    and the server's bind (seen in CI: "address already in use"), or connect to itself."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(500):
+        port = random.randrange(10000, low - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for i in range(count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + i))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no {count} free port(s) in a row below {low}")
 
 
 @dataclass

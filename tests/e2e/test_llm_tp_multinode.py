@@ -12,7 +12,6 @@ non-zero saying so; nothing is left behind (processes, listening ports, /dev/shm
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, start_pier
+from tests.conftest import EXAMPLE_REPO, ROOT, PierProcess, free_port, start_pier
 from tests.e2e.test_llm_engine_process import Hammer, _alive, _engine_pids
 from tests.e2e.test_llm_tensor_parallel import _generate, _state, _three_running
 
@@ -46,17 +45,7 @@ def _port_pair() -> int:
     range, as the default 29501 is: a worker that connects to 127.0.0.1:p + 1 before rank 0 listens
     there retries, and a retry whose own ephemeral port is p + 1 connects to itself (TCP's
     simultaneous open), which holds the port rank 0 then fails to bind (seen in CI)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        port = random.randrange(10000, low - 1)
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no two free ports in a row below {low}")
+    return free_port(2)
 
 
 def _listening(port: int) -> bool:
