@@ -28,6 +28,7 @@ a death fails), aux.py handles what the child asks of the server while its model
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -70,8 +71,33 @@ def default_launch() -> StubCommand:
     return StubCommand((sys.executable, "-m", "pier.backends.python.stub"), env)
 
 
+def _readable(loop: asyncio.AbstractEventLoop, link: StubLink) -> asyncio.Future[tuple[object, wire.Source] | None]:
+    """The stub's answer on the exec channel, read on the loop when it arrives (None: end-of-file)."""
+    fut: asyncio.Future[tuple[object, wire.Source] | None] = loop.create_future()
+    fd = link.exec_sock.fileno()
+
+    def read() -> None:
+        try:
+            got = link.exec_rx.recv(socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except BaseException as exc:  # BadMessage, OSError: the awaiting execute handles them
+            loop.remove_reader(fd)
+            if not fut.done():
+                fut.set_exception(exc)
+            return
+        loop.remove_reader(fd)
+        if not fut.done():
+            fut.set_result(got)
+
+    loop.add_reader(fd, read)
+    fut.add_done_callback(lambda _: loop.remove_reader(fd) if fut.cancelled() else None)
+    return fut
+
+
 class ProcessInstance(ModelInstance):
     may_run_on_event_loop = False  # execute blocks on the child
+    awaits_execute = True  # the scheduler awaits execute_async on the loop: no worker thread
     unbatched = True  # Triton hands execute() the list of requests, never a merged batch
 
     def __init__(self, ctx: ModelContext, where: InstanceContext, command: StubCommand, restart_limit: int = 5,
@@ -110,6 +136,53 @@ class ProcessInstance(ModelInstance):
         return f"Stub process '{self._name}' is not healthy: {self._down or 'it is starting'}"
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        """A batch from any thread: sent, and its answer read, on that thread."""
+        sent = self._send(requests)
+        if not isinstance(sent, tuple):
+            return sent
+        link, rids = sent
+        try:
+            try:
+                got = link.exec_rx.recv()
+            except BadMessage as exc:
+                return self._unusable(link, rids, exc)
+            except OSError:
+                got = None
+            if got is None:  # the child died (its supervisor shut this channel down)
+                link.dead.wait(10)
+                return self._died(link, rids)
+            if sends := self._sends_unhandled(link, got[0]):
+                link.wait_for_sends(sends, SENDS_TIMEOUT_S)
+            return self._results(link, rids, *got)
+        finally:
+            self._done(link)
+
+    async def execute_async(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        """A batch from the server's event loop: sent, and its answer awaited, there (no thread)."""
+        sent = self._send(requests)
+        if not isinstance(sent, tuple):
+            return sent
+        link, rids = sent
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                got = await _readable(loop, link)
+            except BadMessage as exc:
+                return self._unusable(link, rids, exc)
+            except OSError:
+                got = None
+            if got is None:
+                await loop.run_in_executor(None, link.dead.wait, 10)
+                return self._died(link, rids)
+            if sends := self._sends_unhandled(link, got[0]):
+                await loop.run_in_executor(None, link.wait_for_sends, sends, SENDS_TIMEOUT_S)
+            return self._results(link, rids, *got)
+        finally:
+            self._done(link)
+
+    def _send(self, requests: Sequence[InferenceRequest]) -> tuple[StubLink, list[int]] | list[ExecuteResult]:
+        """Send the batch to the stub: (its link, the requests' ids), or the batch's results when it
+        cannot go (the stub is down, a request cannot be passed)."""
         n = len(requests)
         with self._lock:
             link = self._link
@@ -120,51 +193,62 @@ class ProcessInstance(ModelInstance):
                 self._entries[rid] = Entry(r, link)
             link.busy = True
         try:
-            try:
-                packer = wire.Packer()
-                batch = [wire.request_out(r, packer, rid) for rid, r in zip(rids, requests)]
-            except Exception as exc:
-                self._settle(link, rids, failed=True)
-                return [internal(f"cannot pass the request to python model '{self._model}': {exc}")] * n
-            try:
-                wire.send(link.exec_sock, m.Exec(0, batch), packer, arena=link.arena)
-                got = link.exec_rx.recv()
-            except BadMessage as exc:  # this batch's answer, unreadable: it fails, the stub serves on
-                self._settle(link, rids, failed=True)
-                return [internal(f"python model '{self._model}' returned an unusable result: {exc}")] * n
-            except OSError:
-                got = None
-            if got is None:  # the child died (its supervisor shut this channel down)
-                link.dead.wait(10)
-                self._settle(link, rids, failed=True)
-                return [internal(link.reason or f"Stub process for model '{self._model}' instance "
-                                 f"'{self._name}' died")] * n
-            msg, mapping = got
-            if not isinstance(msg, m.Result):
-                self._settle(link, rids, failed=True)
-                return [internal(f"python model '{self._model}' returned an unusable result: a "
-                                 f"{type(msg).__name__} message")] * n
-            link.has_metrics = msg.has_metrics
-            if link.sends_seen < msg.sends and not link.wait_for_sends(msg.sends, SENDS_TIMEOUT_S):
-                log.error("python model '%s' instance '%s': the responses its model sent before execute() "
-                          "returned were not handled within %g s; its results go on without them",
-                          self._model, self._name, SENDS_TIMEOUT_S)
-            if len(msg.results) != n:
-                self._settle(link, rids, failed=True)
-                return [internal(f"python model '{self._model}' returned an unusable result: {len(msg.results)} "
-                                 f"results for {n} requests")] * n
-            try:
-                results: list[ExecuteResult] = [wire.result_in(w, mapping) or internal("no result")
-                                                for w in msg.results]
-            except Exception as exc:
-                results = [internal(f"python model '{self._model}' returned an unusable result: {exc}")] * n
-            self._settle(link, rids, failed=False, results=results)
-            return results
-        finally:
-            with self._lock:
-                link.busy = False
-                if not link.alive:
-                    link.exec_sock.close()
+            packer = wire.Packer()
+            batch = [wire.request_out(r, packer, rid) for rid, r in zip(rids, requests)]
+        except Exception as exc:
+            self._settle(link, rids, failed=True)
+            self._done(link)
+            return [internal(f"cannot pass the request to python model '{self._model}': {exc}")] * n
+        try:
+            wire.send(link.exec_sock, m.Exec(0, batch), packer, arena=link.arena)
+        except OSError:
+            pass  # the child died: the answer reads as end-of-file
+        return link, rids
+
+    def _done(self, link: StubLink) -> None:
+        with self._lock:
+            link.busy = False
+            if not link.alive:
+                link.exec_sock.close()
+
+    def _unusable(self, link: StubLink, rids: list[int], exc: BadMessage) -> list[ExecuteResult]:
+        """This batch's answer, unreadable: it fails, the stub serves on."""
+        self._settle(link, rids, failed=True)
+        return [internal(f"python model '{self._model}' returned an unusable result: {exc}")] * len(rids)
+
+    def _died(self, link: StubLink, rids: list[int]) -> list[ExecuteResult]:
+        self._settle(link, rids, failed=True)
+        return [internal(link.reason or f"Stub process for model '{self._model}' instance "
+                         f"'{self._name}' died")] * len(rids)
+
+    @staticmethod
+    def _sends_unhandled(link: StubLink, msg: object) -> int:
+        """The count of Send messages to wait for (0: none) before this answer's results: the
+        responses the model sent before execute() returned reach their clients first."""
+        return msg.sends if isinstance(msg, m.Result) and link.sends_seen < msg.sends else 0
+
+    def _results(self, link: StubLink, rids: list[int], msg: object, mapping: wire.Source) -> list[ExecuteResult]:
+        n = len(rids)
+        if not isinstance(msg, m.Result):
+            self._settle(link, rids, failed=True)
+            return [internal(f"python model '{self._model}' returned an unusable result: a "
+                             f"{type(msg).__name__} message")] * n
+        link.has_metrics = msg.has_metrics
+        if link.sends_seen < msg.sends:
+            log.error("python model '%s' instance '%s': the responses its model sent before execute() "
+                      "returned were not handled within %g s; its results go on without them",
+                      self._model, self._name, SENDS_TIMEOUT_S)
+        if len(msg.results) != n:
+            self._settle(link, rids, failed=True)
+            return [internal(f"python model '{self._model}' returned an unusable result: {len(msg.results)} "
+                             f"results for {n} requests")] * n
+        try:
+            results: list[ExecuteResult] = [wire.result_in(w, mapping) or internal("no result")
+                                            for w in msg.results]
+        except Exception as exc:
+            results = [internal(f"python model '{self._model}' returned an unusable result: {exc}")] * n
+        self._settle(link, rids, failed=False, results=results)
+        return results
 
     def _settle(self, link: StubLink, rids: list[int], failed: bool,
                 results: Sequence[ExecuteResult] = ()) -> None:

@@ -177,6 +177,11 @@ class ModelInstance(abc.ABC):
 
     may_run_on_event_loop: ClassVar[bool] = True
     unbatched: ClassVar[bool] = False
+    # True when the instance runs its batches elsewhere (its own process) and waits for them on the
+    # server's event loop: the scheduler awaits `execute_async` there, with no worker thread
+    # between (a thread's two hand-offs and its share of the interpreter lock cost more than the
+    # wait). `execute` still works, from any other thread.
+    awaits_execute: ClassVar[bool] = False
     # True when overload() may say something: the data plane asks only these (one attribute read
     # per request for every other model)
     degrades: bool = False
@@ -184,6 +189,11 @@ class ModelInstance(abc.ABC):
     @abc.abstractmethod
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
         """Run `requests`; return one result per request, in order."""
+
+    async def execute_async(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
+        """`execute` awaited on the server's event loop (for instances with `awaits_execute`):
+        never blocks the loop."""
+        raise NotImplementedError(f"{type(self).__name__} does not await its executions")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, after the last execute."""

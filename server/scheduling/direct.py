@@ -13,14 +13,14 @@ from pier.contract.types import ExecuteResult
 from pier.observability.statistics import ModelStatistics
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import merge, split
-from pier.scheduling.instance_pool import InstancePool, JobResult
+from pier.scheduling.instance_pool import JobResult, instance_pool
 from pier.scheduling.ragged import BatchLayout
 
 
 class DirectScheduler(Scheduler):
     def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
                  layout: BatchLayout | None = None) -> None:
-        self._pool = InstancePool(instances, name)
+        self._pool = instance_pool(instances, name)
         self._layout = layout
         self._stats = stats
         self._inflight = 0

@@ -29,7 +29,7 @@ from pier.contract.types import ExecuteResult
 from pier.observability.statistics import ModelStatistics
 from pier.scheduling.base import Scheduler, WorkItem
 from pier.scheduling.batch import CompatKey, compat_key, merge, split
-from pier.scheduling.instance_pool import InstancePool, JobResult
+from pier.scheduling.instance_pool import JobResult, instance_pool
 from pier.scheduling.ragged import BatchLayout
 from pier.tensors.validation import request_prefix
 
@@ -61,7 +61,7 @@ class DynamicBatcher(Scheduler):
     def __init__(self, instances: list[ModelInstance], stats: ModelStatistics, name: str,
                  policy: BatchingPolicy, layout: BatchLayout | None = None) -> None:
         """`layout`: the model's ragged inputs and batch inputs/outputs (None: plain batching)."""
-        self._pool = InstancePool(instances, name)
+        self._pool = instance_pool(instances, name)
         self._idle = self._pool.size
         self._stats = stats
         self._policy = policy

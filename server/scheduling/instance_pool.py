@@ -7,6 +7,10 @@ average under INLINE_BELOW_NS, after a warm-up on the workers), a job that finds
 and an instance free runs inline on the event loop instead: the two thread hops cost more than
 such an execution, and blocking the loop that briefly costs no more than parsing a request.
 Each instance is guarded by a lock, so it never runs two jobs at once whichever thread runs it.
+
+Instances that run their batches in another process (`awaits_execute`: a Python model's stub)
+have no worker thread: `LoopPool` awaits their `execute_async` on the event loop, so a batch
+goes out and its answer comes back with no thread in between.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pier.contract.backend import ModelInstance
+from pier.contract.errors import PierError, internal
 from pier.contract.types import ExecuteResult, InferenceRequest
 from pier.scheduling.base import execute_timed
 
@@ -131,3 +137,71 @@ class InstancePool:
     def _join(self) -> None:
         for t in self._threads:
             t.join()
+
+
+class LoopPool:
+    """InstancePool's interface for instances that await their executions on the event loop
+    (`awaits_execute`): an idle instance takes the next job as a task of the loop; jobs wait in
+    arrival order while every instance is busy."""
+
+    def __init__(self, instances: list[ModelInstance], name: str) -> None:
+        self._idle = list(reversed(instances))
+        self._instances = instances
+        self._jobs: deque[tuple[Sequence[InferenceRequest], asyncio.Future]] = deque()
+        self._running: set[asyncio.Task[None]] = set()
+        self.unbatched = any(inst.unbatched for inst in instances)
+
+    def queued(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def size(self) -> int:
+        return len(self._instances)
+
+    def run_inline(self, requests: Sequence[InferenceRequest]) -> JobResult | None:
+        return None  # the execution is elsewhere: there is nothing to run on the loop
+
+    def submit(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
+        return self.submit_to_workers(requests)
+
+    def submit_to_workers(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._jobs.append((requests, fut))
+        if self._idle:
+            task = asyncio.ensure_future(self._work(self._idle.pop()))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+        return fut
+
+    async def _work(self, instance: ModelInstance) -> None:
+        """Run jobs on `instance` until none is left, then leave it idle."""
+        try:
+            while self._jobs:
+                requests, fut = self._jobs.popleft()
+                picked = time.perf_counter_ns()
+                try:
+                    results = await instance.execute_async(requests)
+                except PierError as exc:
+                    results = [exc] * len(requests)
+                except Exception as exc:  # a backend bug fails its own requests, nothing else
+                    results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
+                end = time.perf_counter_ns()
+                if not fut.done():
+                    fut.set_result(JobResult(results, picked, picked, end))
+        finally:
+            self._idle.append(instance)
+
+    async def stop(self) -> None:
+        """Let queued jobs finish, then close the instances (off the loop: a close may wait)."""
+        while self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for instance in self._instances:
+            await loop.run_in_executor(None, instance.close)
+
+
+def instance_pool(instances: list[ModelInstance], name: str) -> InstancePool | LoopPool:
+    """The pool for a model's instances: a LoopPool when they all await their executions."""
+    if instances and all(inst.awaits_execute for inst in instances):
+        return LoopPool(instances, name)
+    return InstancePool(instances, name)

@@ -9,7 +9,7 @@ import time
 
 from pier.contract.backend import ModelInstance
 from pier.contract.types import Outputs
-from pier.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool
+from pier.scheduling.instance_pool import INLINE_BELOW_NS, InstancePool, LoopPool, instance_pool
 
 
 class ThreadRecorder(ModelInstance):
@@ -44,4 +44,72 @@ def test_tiny_executions_move_inline_and_slow_ones_do_not():
         assert fast.max_active == 1
         await fast_pool.stop()
         await slow_pool.stop()
+    asyncio.run(main())
+
+
+class Awaiting(ModelInstance):
+    """Runs its batches 'elsewhere': awaits, as a stub process's instance does."""
+
+    awaits_execute = True
+
+    def __init__(self, log: list[tuple[str, object]], name: str, fail: bool = False) -> None:
+        self.log, self.name, self.fail = log, name, fail
+        self.active = self.max_active = 0
+        self.closed_on: str | None = None
+
+    def execute(self, requests):
+        raise AssertionError("the pool awaits execute_async")
+
+    async def execute_async(self, requests):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.log.append((self.name, requests[0]))
+        await asyncio.sleep(0.01)
+        self.active -= 1
+        if self.fail:
+            raise RuntimeError("broken backend")
+        return [Outputs([]) for _ in requests]
+
+    def close(self):
+        self.closed_on = threading.current_thread().name
+
+
+def test_instances_that_await_run_on_the_loop_one_job_each_in_arrival_order():
+    async def main():
+        log: list[tuple[str, object]] = []
+        a, b = Awaiting(log, "a"), Awaiting(log, "b")
+        pool = instance_pool([a, b], "m")
+        assert isinstance(pool, LoopPool) and pool.size == 2
+        threads = threading.active_count()
+        futures = [pool.submit([i]) for i in range(6)]
+        assert pool.queued() == 6  # none taken yet: the instances take them on the loop
+        jobs = await asyncio.gather(*futures)
+        assert threading.active_count() == threads  # no worker thread
+        assert [job_id for _, job_id in log] == list(range(6))  # taken in arrival order
+        assert {name for name, _ in log} == {"a", "b"}  # both instances worked
+        assert a.max_active == b.max_active == 1  # never two jobs at once on one instance
+        assert all(job.picked_ns <= job.end_ns and len(job.results) == 1 for job in jobs)
+        assert pool.queued() == 0
+        await pool.stop()
+        assert a.closed_on and b.closed_on and a.closed_on != threading.current_thread().name
+    asyncio.run(main())
+
+
+def test_an_awaited_execution_that_raises_fails_only_its_own_requests():
+    async def main():
+        log: list[tuple[str, object]] = []
+        pool = instance_pool([Awaiting(log, "a", fail=True)], "m")
+        job = await pool.submit([1, 2])
+        assert [str(r) for r in job.results] == ["backend error: RuntimeError: broken backend"] * 2
+        pool._instances[0].fail = False
+        assert isinstance((await pool.submit([3])).results[0], Outputs)  # the instance serves on
+        await pool.stop()
+    asyncio.run(main())
+
+
+def test_a_pool_with_threads_for_instances_that_block():
+    async def main():
+        pool = instance_pool([ThreadRecorder()], "m")
+        assert isinstance(pool, InstancePool)
+        await pool.stop()
     asyncio.run(main())
