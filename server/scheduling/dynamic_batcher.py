@@ -304,12 +304,11 @@ class DynamicBatcher(Scheduler):
         if job is not None:
             self._complete(seq, batch, job)
             return True
-        fut = self._pool.submit_to_workers(job_requests)
-        fut.add_done_callback(lambda fut: self._on_done(seq, batch, fut))
+        self._pool.start(job_requests, lambda job: self._on_done(seq, batch, job))
         return False
 
-    def _on_done(self, seq: int, batch: list[_Pending], fut: asyncio.Future) -> None:
-        self._complete(seq, batch, fut.result())
+    def _on_done(self, seq: int, batch: list[_Pending], job: JobResult) -> None:
+        self._complete(seq, batch, job)
         self._schedule()
 
     def _complete(self, seq: int, batch: list[_Pending], job: JobResult) -> None:

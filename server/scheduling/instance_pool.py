@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pier.contract.backend import ModelInstance
@@ -40,12 +40,15 @@ class JobResult:
     end_ns: int  # backend execute returned
 
 
-_Job = tuple[Sequence[InferenceRequest], asyncio.Future, asyncio.AbstractEventLoop]
+Done = Callable[[JobResult], None]  # called on the event loop with a job's result
+_Job = tuple[Sequence[InferenceRequest], Done, asyncio.AbstractEventLoop]
 
 
-def _deliver(fut: asyncio.Future, result: JobResult) -> None:
-    if not fut.done():
-        fut.set_result(result)
+def _resolver(fut: asyncio.Future) -> Done:
+    def deliver(result: JobResult) -> None:
+        if not fut.done():
+            fut.set_result(result)
+    return deliver
 
 
 class InstancePool:
@@ -95,32 +98,29 @@ class InstancePool:
 
     def submit(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
         """Queue a job (or run it inline, see the module doc); the future resolves on the loop."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         job = self.run_inline(requests)
         if job is not None:
             fut.set_result(job)
         else:
-            self._jobs.put((requests, fut, loop))
+            self.start(requests, _resolver(fut))
         return fut
 
-    def submit_to_workers(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
-        """Queue a job for the worker threads (the caller already tried `run_inline`)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._jobs.put((requests, fut, loop))
-        return fut
+    def start(self, requests: Sequence[InferenceRequest], done: Done) -> None:
+        """Queue a job for the worker threads (the caller already tried `run_inline`); `done` gets
+        its result on the loop."""
+        self._jobs.put((requests, done, asyncio.get_running_loop()))
 
     def _work(self, instance: ModelInstance, lock: threading.Lock) -> None:
         try:
             while (job := self._jobs.get()) is not None:
-                requests, fut, loop = job
+                requests, done, loop = job
                 with lock:
                     picked = time.perf_counter_ns()
                     results, timing = execute_timed(instance, requests)
                 self._observe(timing.end_ns - timing.start_ns)
                 try:
-                    loop.call_soon_threadsafe(_deliver, fut, JobResult(results, picked, timing.start_ns, timing.end_ns))
+                    loop.call_soon_threadsafe(done, JobResult(results, picked, timing.start_ns, timing.end_ns))
                 except RuntimeError:  # loop closed: nobody is waiting any more
                     pass
         finally:
@@ -147,7 +147,7 @@ class LoopPool:
     def __init__(self, instances: list[ModelInstance], name: str) -> None:
         self._idle = list(reversed(instances))
         self._instances = instances
-        self._jobs: deque[tuple[Sequence[InferenceRequest], asyncio.Future]] = deque()
+        self._jobs: deque[tuple[Sequence[InferenceRequest], Done]] = deque()
         self._running: set[asyncio.Task[None]] = set()
         self.unbatched = any(inst.unbatched for inst in instances)
 
@@ -162,22 +162,24 @@ class LoopPool:
         return None  # the execution is elsewhere: there is nothing to run on the loop
 
     def submit(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
-        return self.submit_to_workers(requests)
-
-    def submit_to_workers(self, requests: Sequence[InferenceRequest]) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
-        self._jobs.append((requests, fut))
+        self.start(requests, _resolver(fut))
+        return fut
+
+    def start(self, requests: Sequence[InferenceRequest], done: Done) -> None:
+        """Queue a job; `done` gets its result on the loop, called by the task that ran it, which
+        then runs the next job at once (one that `done` queued too: no loop iteration between)."""
+        self._jobs.append((requests, done))
         if self._idle:
             task = asyncio.ensure_future(self._work(self._idle.pop()))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
-        return fut
 
     async def _work(self, instance: ModelInstance) -> None:
         """Run jobs on `instance` until none is left, then leave it idle."""
         try:
             while self._jobs:
-                requests, fut = self._jobs.popleft()
+                requests, done = self._jobs.popleft()
                 picked = time.perf_counter_ns()
                 try:
                     results = await instance.execute_async(requests)
@@ -185,9 +187,11 @@ class LoopPool:
                     results = [exc] * len(requests)
                 except Exception as exc:  # a backend bug fails its own requests, nothing else
                     results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
-                end = time.perf_counter_ns()
-                if not fut.done():
-                    fut.set_result(JobResult(results, picked, picked, end))
+                try:
+                    done(JobResult(results, picked, picked, time.perf_counter_ns()))
+                except Exception as exc:  # the scheduler's bug: reported, the instance serves on
+                    asyncio.get_running_loop().call_exception_handler(
+                        {"message": "a finished job's callback raised", "exception": exc})
         finally:
             self._idle.append(instance)
 

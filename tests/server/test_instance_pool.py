@@ -113,3 +113,24 @@ def test_a_pool_with_threads_for_instances_that_block():
         assert isinstance(pool, InstancePool)
         await pool.stop()
     asyncio.run(main())
+
+
+def test_the_job_a_finished_jobs_callback_queues_starts_with_no_loop_iteration_between():
+    """The dynamic batcher forms its next batch in the callback of the one that ended: that batch
+    goes to the stub at once, not after the responses written meanwhile."""
+    async def main():
+        order: list[object] = []
+        pool = instance_pool([Awaiting(order, "a")], "m")
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+
+        def first_done(job):
+            order.append("first done")
+            loop.call_soon(order.append, "next loop iteration")
+            pool.start([2], finished.set_result)
+
+        pool.start([1], first_done)
+        await finished
+        assert order[:4] == [("a", 1), "first done", ("a", 2), "next loop iteration"]
+        await pool.stop()
+    asyncio.run(main())
