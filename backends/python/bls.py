@@ -61,7 +61,7 @@ _PROTOCOL_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end
 def to_pb_request(request: InferenceRequest, all_outputs: Sequence[str] = ()) -> pb_utils.InferenceRequest:
     """A request a Python model executes. As Triton: a request that names no outputs requests them
     all (`all_outputs`, the config's), and protocol parameters are not the model's."""
-    params = {k: v for k, v in request.parameters.items()}
+    params = request.parameters
     out = pb_utils.InferenceRequest(
         request.model_name, [pb_utils.Tensor(t.name, t.data) for t in request.inputs],
         request.output_names() or list(all_outputs), correlation_id=params.get("sequence_id", 0),
@@ -70,7 +70,7 @@ def to_pb_request(request: InferenceRequest, all_outputs: Sequence[str] = ()) ->
         | (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if params.get("sequence_end") else 0),
         timeout=int(params.get("timeout", 0) or 0),
         model_version=int(request.model_version) if request.model_version.isdigit() else -1,
-        parameters={k: v for k, v in params.items() if k not in _PROTOCOL_PARAMETERS},
+        parameters={k: v for k, v in params.items() if k not in _PROTOCOL_PARAMETERS} if params else None,
         trace=pb_utils.InferenceTrace(request.trace_context))
     out._server_request = request
     return out

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pier.contract.backend import InstanceContext, ModelContext, ModelInstance
+from pier.contract.backend import Finish, InstanceContext, ModelContext, ModelInstance
 from pier.contract.errors import PierError, internal, unavailable
 from pier.contract.types import ExecuteResult, InferenceRequest, Outputs
 from pier.ipc import channel as wire
@@ -71,33 +71,9 @@ def default_launch() -> StubCommand:
     return StubCommand((sys.executable, "-m", "pier.backends.python.stub"), env)
 
 
-def _readable(loop: asyncio.AbstractEventLoop, link: StubLink) -> asyncio.Future[tuple[object, wire.Source] | None]:
-    """The stub's answer on the exec channel, read on the loop when it arrives (None: end-of-file)."""
-    fut: asyncio.Future[tuple[object, wire.Source] | None] = loop.create_future()
-    fd = link.exec_sock.fileno()
-
-    def read() -> None:
-        try:
-            got = link.exec_rx.recv(socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return
-        except BaseException as exc:  # BadMessage, OSError: the awaiting execute handles them
-            loop.remove_reader(fd)
-            if not fut.done():
-                fut.set_exception(exc)
-            return
-        loop.remove_reader(fd)
-        if not fut.done():
-            fut.set_result(got)
-
-    loop.add_reader(fd, read)
-    fut.add_done_callback(lambda _: loop.remove_reader(fd) if fut.cancelled() else None)
-    return fut
-
-
 class ProcessInstance(ModelInstance):
     may_run_on_event_loop = False  # execute blocks on the child
-    awaits_execute = True  # the scheduler awaits execute_async on the loop: no worker thread
+    awaits_execute = True  # the scheduler runs begin_execute on the loop: no worker thread
     unbatched = True  # Triton hands execute() the list of requests, never a merged batch
 
     def __init__(self, ctx: ModelContext, where: InstanceContext, command: StubCommand, restart_limit: int = 5,
@@ -113,6 +89,7 @@ class ProcessInstance(ModelInstance):
         self._entries: dict[int, Entry] = {}
         self._ids = itertools.count(1)
         self._metrics_text = ""
+        self._waiting: set[asyncio.Task[None]] = set()  # answers that wait off the loop (begin_execute)
         self._aux = AuxHandler(ctx, where.name, self._lock, self._entries)
         policy = RestartPolicy(restart_limit, restart_window_s, RESTART_BACKOFF_S, MAX_BACKOFF_S)
         self._supervisor = Supervisor(self, policy, f"pier-stub-{where.name}", FINALIZE_TIMEOUT_S)
@@ -157,28 +134,56 @@ class ProcessInstance(ModelInstance):
         finally:
             self._done(link)
 
-    async def execute_async(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
-        """A batch from the server's event loop: sent, and its answer awaited, there (no thread)."""
+    def begin_execute(self, requests: Sequence[InferenceRequest], finish: Finish) -> None:
+        """A batch from the server's event loop: sent there, and its answer read there when the exec
+        socket turns readable; `finish` gets the results in that same callback (no thread, no task)."""
         sent = self._send(requests)
         if not isinstance(sent, tuple):
-            return sent
+            finish(sent)
+            return
         link, rids = sent
         loop = asyncio.get_running_loop()
-        try:
+        fd = link.exec_sock.fileno()
+
+        def readable() -> None:
             try:
-                got = await _readable(loop, link)
+                got = link.exec_rx.recv(socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
             except BadMessage as exc:
-                return self._unusable(link, rids, exc)
+                loop.remove_reader(fd)
+                results = self._unusable(link, rids, exc)
+                self._done(link)
+                finish(results)
+                return
             except OSError:
                 got = None
-            if got is None:
+            loop.remove_reader(fd)
+            if got is not None and not self._sends_unhandled(link, got[0]):
+                results = self._results(link, rids, *got)
+                self._done(link)
+                finish(results)
+            else:  # the stub died, or sent responses not handled yet: wait for that off the loop
+                task = loop.create_task(self._slow_answer(link, rids, got, finish))
+                self._waiting.add(task)
+                task.add_done_callback(self._waiting.discard)
+
+        loop.add_reader(fd, readable)
+
+    async def _slow_answer(self, link: StubLink, rids: list[int], got: tuple[object, wire.Source] | None,
+                           finish: Finish) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            if got is None:  # the child died (its supervisor shut this channel down)
                 await loop.run_in_executor(None, link.dead.wait, 10)
-                return self._died(link, rids)
-            if sends := self._sends_unhandled(link, got[0]):
-                await loop.run_in_executor(None, link.wait_for_sends, sends, SENDS_TIMEOUT_S)
-            return self._results(link, rids, *got)
+                results = self._died(link, rids)
+            else:
+                await loop.run_in_executor(None, link.wait_for_sends, self._sends_unhandled(link, got[0]),
+                                           SENDS_TIMEOUT_S)
+                results = self._results(link, rids, *got)
         finally:
             self._done(link)
+        finish(results)
 
     def _send(self, requests: Sequence[InferenceRequest]) -> tuple[StubLink, list[int]] | list[ExecuteResult]:
         """Send the batch to the stub: (its link, the requests' ids), or the batch's results when it

@@ -154,7 +154,7 @@ class InferenceResponse:
                  parameters: dict[str, Any] | str | None = None) -> None:
         self._outputs = list(output_tensors or [])
         self._error = error
-        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters or {})
+        self._parameters = parameters if isinstance(parameters, str) else json.dumps(parameters) if parameters else "{}"
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs

@@ -165,6 +165,9 @@ class Overload:
     count: Callable[[str], None] = _not_counted
 
 
+Finish = Callable[[list[ExecuteResult]], None]  # an execution's results, given on the event loop
+
+
 class ModelInstance(abc.ABC):
     """One loaded copy of a model that executes batches.
 
@@ -178,7 +181,7 @@ class ModelInstance(abc.ABC):
     may_run_on_event_loop: ClassVar[bool] = True
     unbatched: ClassVar[bool] = False
     # True when the instance runs its batches elsewhere (its own process) and waits for them on the
-    # server's event loop: the scheduler awaits `execute_async` there, with no worker thread
+    # server's event loop: the scheduler calls `begin_execute` there, with no worker thread
     # between (a thread's two hand-offs and its share of the interpreter lock cost more than the
     # wait). `execute` still works, from any other thread.
     awaits_execute: ClassVar[bool] = False
@@ -190,10 +193,11 @@ class ModelInstance(abc.ABC):
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
         """Run `requests`; return one result per request, in order."""
 
-    async def execute_async(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
-        """`execute` awaited on the server's event loop (for instances with `awaits_execute`):
-        never blocks the loop."""
-        raise NotImplementedError(f"{type(self).__name__} does not await its executions")
+    def begin_execute(self, requests: Sequence[InferenceRequest], finish: Finish) -> None:
+        """Start `requests` from the server's event loop (for instances with `awaits_execute`) and
+        return at once; `finish(results)` is called on the loop, once, when they are done (one
+        result per request, as `execute` returns). Never blocks the loop."""
+        raise NotImplementedError(f"{type(self).__name__} does not run its executions elsewhere")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, after the last execute."""

@@ -139,16 +139,34 @@ class InstancePool:
             t.join()
 
 
+class _Started:
+    """A job a LoopPool's instance began: `finish` is what the instance calls (once) with its results."""
+
+    __slots__ = ("pool", "instance", "done", "picked", "starting", "finished")
+
+    def __init__(self, pool: LoopPool, instance: ModelInstance, done: Done) -> None:
+        self.pool, self.instance, self.done = pool, instance, done
+        self.picked = time.perf_counter_ns()
+        self.starting = True  # begin_execute has not returned yet
+        self.finished = False
+
+    def finish(self, results: list[ExecuteResult]) -> None:
+        if not self.finished:
+            self.finished = True
+            self.pool._finished(self, results)
+
+
 class LoopPool:
-    """InstancePool's interface for instances that await their executions on the event loop
-    (`awaits_execute`): an idle instance takes the next job as a task of the loop; jobs wait in
+    """InstancePool's interface for instances that run their executions elsewhere and finish them
+    on the event loop (`awaits_execute`): an idle instance takes the next job at once; jobs wait in
     arrival order while every instance is busy."""
 
     def __init__(self, instances: list[ModelInstance], name: str) -> None:
         self._idle = list(reversed(instances))
         self._instances = instances
         self._jobs: deque[tuple[Sequence[InferenceRequest], Done]] = deque()
-        self._running: set[asyncio.Task[None]] = set()
+        self._busy = 0  # jobs started and not finished
+        self._stopped: asyncio.Event | None = None  # set when stop() waits and the last job finished
         self.unbatched = any(inst.unbatched for inst in instances)
 
     def queued(self) -> int:
@@ -167,38 +185,48 @@ class LoopPool:
         return fut
 
     def start(self, requests: Sequence[InferenceRequest], done: Done) -> None:
-        """Queue a job; `done` gets its result on the loop, called by the task that ran it, which
-        then runs the next job at once (one that `done` queued too: no loop iteration between)."""
+        """Queue a job; `done` gets its result on the loop, called where the instance finished it,
+        and the instance then starts the next job at once (one that `done` queued too: no loop
+        iteration between one batch's answer and the next batch)."""
         self._jobs.append((requests, done))
         if self._idle:
-            task = asyncio.ensure_future(self._work(self._idle.pop()))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._run(self._idle.pop())
 
-    async def _work(self, instance: ModelInstance) -> None:
-        """Run jobs on `instance` until none is left, then leave it idle."""
+    def _run(self, instance: ModelInstance) -> None:
+        """Start the next job on `instance`, and the next while jobs finish as they start (a stub
+        that is down answers at once); idle again when there is none."""
+        while self._jobs:
+            requests, done = self._jobs.popleft()
+            self._busy += 1
+            job = _Started(self, instance, done)
+            try:
+                instance.begin_execute(requests, job.finish)
+            except PierError as exc:
+                job.finish([exc] * len(requests))
+            except Exception as exc:  # a backend bug fails its own requests, nothing else
+                job.finish([internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests))
+            job.starting = False
+            if not job.finished:
+                return  # it runs elsewhere: its finish goes on from there
+        self._idle.append(instance)
+        if not self._busy and self._stopped is not None:
+            self._stopped.set()
+
+    def _finished(self, job: _Started, results: list[ExecuteResult]) -> None:
+        self._busy -= 1
         try:
-            while self._jobs:
-                requests, done = self._jobs.popleft()
-                picked = time.perf_counter_ns()
-                try:
-                    results = await instance.execute_async(requests)
-                except PierError as exc:
-                    results = [exc] * len(requests)
-                except Exception as exc:  # a backend bug fails its own requests, nothing else
-                    results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
-                try:
-                    done(JobResult(results, picked, picked, time.perf_counter_ns()))
-                except Exception as exc:  # the scheduler's bug: reported, the instance serves on
-                    asyncio.get_running_loop().call_exception_handler(
-                        {"message": "a finished job's callback raised", "exception": exc})
-        finally:
-            self._idle.append(instance)
+            job.done(JobResult(results, job.picked, job.picked, time.perf_counter_ns()))
+        except Exception as exc:  # the scheduler's bug: reported, the instance serves on
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": "a finished job's callback raised", "exception": exc})
+        if not job.starting:  # finished later, on the loop: the instance goes on from here
+            self._run(job.instance)
 
     async def stop(self) -> None:
         """Let queued jobs finish, then close the instances (off the loop: a close may wait)."""
-        while self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        if self._busy or self._jobs:
+            self._stopped = asyncio.Event()
+            await self._stopped.wait()
         loop = asyncio.get_running_loop()
         for instance in self._instances:
             await loop.run_in_executor(None, instance.close)

@@ -48,33 +48,35 @@ def test_tiny_executions_move_inline_and_slow_ones_do_not():
 
 
 class Awaiting(ModelInstance):
-    """Runs its batches 'elsewhere': awaits, as a stub process's instance does."""
+    """Runs its batches 'elsewhere' and finishes them on the loop later, as a stub process's instance does."""
 
     awaits_execute = True
 
-    def __init__(self, log: list[tuple[str, object]], name: str, fail: bool = False) -> None:
+    def __init__(self, log: list[object], name: str, fail: bool = False) -> None:
         self.log, self.name, self.fail = log, name, fail
         self.active = self.max_active = 0
         self.closed_on: str | None = None
 
     def execute(self, requests):
-        raise AssertionError("the pool awaits execute_async")
+        raise AssertionError("the pool calls begin_execute")
 
-    async def execute_async(self, requests):
+    def begin_execute(self, requests, finish):
+        if self.fail:
+            raise RuntimeError("broken backend")
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         self.log.append((self.name, requests[0]))
-        await asyncio.sleep(0.01)
-        self.active -= 1
-        if self.fail:
-            raise RuntimeError("broken backend")
-        return [Outputs([]) for _ in requests]
+
+        def answer():
+            self.active -= 1
+            finish([Outputs([]) for _ in requests])
+        asyncio.get_running_loop().call_later(0.01, answer)
 
     def close(self):
         self.closed_on = threading.current_thread().name
 
 
-def test_instances_that_await_run_on_the_loop_one_job_each_in_arrival_order():
+def test_instances_that_run_elsewhere_are_started_on_the_loop_one_job_each_in_arrival_order():
     async def main():
         log: list[tuple[str, object]] = []
         a, b = Awaiting(log, "a"), Awaiting(log, "b")
@@ -82,7 +84,7 @@ def test_instances_that_await_run_on_the_loop_one_job_each_in_arrival_order():
         assert isinstance(pool, LoopPool) and pool.size == 2
         threads = threading.active_count()
         futures = [pool.submit([i]) for i in range(6)]
-        assert pool.queued() == 6  # none taken yet: the instances take them on the loop
+        assert pool.queued() == 4  # one started on each instance at once, the others wait
         jobs = await asyncio.gather(*futures)
         assert threading.active_count() == threads  # no worker thread
         assert [job_id for _, job_id in log] == list(range(6))  # taken in arrival order
@@ -95,7 +97,7 @@ def test_instances_that_await_run_on_the_loop_one_job_each_in_arrival_order():
     asyncio.run(main())
 
 
-def test_an_awaited_execution_that_raises_fails_only_its_own_requests():
+def test_an_execution_that_raises_fails_only_its_own_requests():
     async def main():
         log: list[tuple[str, object]] = []
         pool = instance_pool([Awaiting(log, "a", fail=True)], "m")
@@ -132,5 +134,32 @@ def test_the_job_a_finished_jobs_callback_queues_starts_with_no_loop_iteration_b
         pool.start([1], first_done)
         await finished
         assert order[:4] == [("a", 1), "first done", ("a", 2), "next loop iteration"]
+        await pool.stop()
+    asyncio.run(main())
+
+
+def test_queued_jobs_an_instance_finishes_as_it_starts_them_run_without_recursion():
+    """A stub that is down answers each batch at once: thousands queued behind a slow one all get
+    their answer, in order, without one call nesting in the previous one's."""
+    class GoesDown(ModelInstance):
+        awaits_execute = True
+        calls = 0
+
+        def execute(self, requests):
+            raise AssertionError
+
+        def begin_execute(self, requests, finish):
+            self.calls += 1
+            if self.calls == 1:
+                asyncio.get_running_loop().call_later(0.01, finish, [Outputs([])])
+            else:
+                finish([RuntimeError(f"down {requests[0]}")])
+
+    async def main():
+        pool = instance_pool([GoesDown()], "m")
+        futures = [pool.submit([i]) for i in range(5000)]
+        jobs = await asyncio.gather(*futures)
+        assert isinstance(jobs[0].results[0], Outputs)
+        assert [str(job.results[0]) for job in jobs[1:]] == [f"down {i}" for i in range(1, 5000)]
         await pool.stop()
     asyncio.run(main())
