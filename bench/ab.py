@@ -16,6 +16,8 @@ for the whole of their benchmark:
 
 - identity: perf_analyzer on `identity_fp32` (batch 1, INPUT0 [16] FP32) over HTTP and gRPC at
   concurrency 1 and 8, with bench/identity.py's windows (bench.common.Settings, quick or full);
+- python: the same points on bench/python_backend_process.py's python-backend identity model in
+  its stub process (Pier's default execution mode);
 - sequence: perf_analyzer on the example's stateful `accumulate` (sequence batcher, direct strategy,
   implicit state; perf_analyzer sends sequences of 20 requests, each concurrent client its own
   sequence) over gRPC: one instance at concurrency 1 and 8, and a copy with two instances at 8
@@ -51,6 +53,8 @@ from typing import Any
 from bench import report
 from bench.common import ROOT, Settings, git_describe, loadavg, log, machine, pier_command, sigterm_as_interrupt
 from bench.measure import alternate, fmt_ms, fmt_rate, perf_analyzer_point
+from bench.python_backend_process import CONFIG as PYTHON_CONFIG
+from bench.python_backend_process import MODEL_PY
 from bench.report import finish, ratio_cells, ratio_reading
 from bench.revisions import check_old_imports, describe_head, git, start_old, worktree
 from bench.server_cpu import metered
@@ -58,8 +62,9 @@ from bench.servers import Server, Servers, measure, ready_or_stopped, start_pier
 from bench.tools import PERF_ANALYZER_MISSING, perf_analyzer
 
 DEFAULT_OLD = "a9568b8"
-BENCHMARKS = ("identity", "sequence", "llm")
+BENCHMARKS = ("identity", "python", "sequence", "llm")
 IDENTITY_MODEL = "identity_fp32"
+PYTHON_MODEL = "identity_fp32"  # the python-backend one, in a repository of its own
 IDENTITY_POINTS = [("http", 1), ("http", 8), ("grpc", 1), ("grpc", 8)]
 SEQUENCE_POINTS = [("accumulate", 1), ("accumulate", 8), ("accumulate_2", 8)]  # model (2: two instances), concurrency
 LLM_STREAMS = 32  # bench/llm_openai_bench.py's stream count
@@ -195,6 +200,19 @@ def run_identity(run: Run) -> None:
 
     run_perf_analyzer(run, "identity", fill, {
         PAPoint(IDENTITY_MODEL, proto, c, ("--shape", "INPUT0:16")): f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}"
+        for proto, c in IDENTITY_POINTS})
+
+
+def run_python(run: Run) -> None:
+    """bench/python_backend_process.py's identity model in its stub process (the default mode)."""
+
+    def fill(repo: Path) -> None:
+        (repo / PYTHON_MODEL / "1").mkdir(parents=True)
+        (repo / PYTHON_MODEL / "1" / "model.py").write_text(MODEL_PY)
+        (repo / PYTHON_MODEL / "config.pbtxt").write_text(PYTHON_CONFIG % "process")
+
+    run_perf_analyzer(run, "python", fill, {
+        PAPoint(PYTHON_MODEL, proto, c, ("--shape", "INPUT0:16")): f"{'HTTP' if proto == 'http' else 'gRPC'} c={c}"
         for proto, c in IDENTITY_POINTS})
 
 
@@ -346,6 +364,8 @@ def write_report(run: Run, started: dict, old_rev: str, old_desc: str, new_desc:
     if "llm_workload" in run.info:
         lines += [f"- LLM workload (bench/llm_openai_bench.py's): {run.info['llm_workload']}", ""]
     for bench, title_g in (("identity", "identity_fp32: perf_analyzer, batch 1, INPUT0 [16] FP32 (sync)"),
+                           ("python", "identity_fp32 as a python-backend model in its stub process: perf_analyzer, "
+                                      "batch 1, INPUT0 [16] FP32 (sync)"),
                            ("sequence", "accumulate (sequence batcher, direct, implicit state): perf_analyzer "
                                         "sequences of 20 requests over gRPC, one per concurrent client"),
                            ("llm", "LLM through the OpenAI API (tiny random Llama, CPU)")):
@@ -431,7 +451,8 @@ def _run(old: str, settings: Settings, chosen: list[str], out: str = "refactor_a
         with worktree(old) as tree, tempfile.TemporaryDirectory(prefix="pier-ab-repos-") as tmp:
             check_old_imports(tree)
             run = Run(settings, tree, Path(tmp), f"old {old_sha}", f"new {new_desc.split()[0]}", serve_args=serve_args)
-            for name, fn in (("identity", run_identity), ("sequence", run_sequence), ("llm", run_llm)):
+            for name, fn in (("identity", run_identity), ("python", run_python), ("sequence", run_sequence),
+                             ("llm", run_llm)):
                 if name not in chosen:
                     continue
                 log(f"=== {name} ===")
