@@ -9,8 +9,8 @@ such an execution, and blocking the loop that briefly costs no more than parsing
 Each instance is guarded by a lock, so it never runs two jobs at once whichever thread runs it.
 
 Instances that run their batches in another process (`awaits_execute`: a Python model's stub)
-have no worker thread: `LoopPool` awaits their `execute_async` on the event loop, so a batch
-goes out and its answer comes back with no thread in between.
+have no worker thread: `LoopPool` calls their `begin_execute` on the event loop and they finish
+it there, so a batch goes out and its answer comes back with no thread in between.
 """
 
 from __future__ import annotations
