@@ -56,8 +56,14 @@ def execute_timed(
     start = time.perf_counter_ns()
     try:
         results = instance.execute(requests)
-    except PierError as exc:
-        results = [exc] * len(requests)
-    except Exception as exc:  # a backend bug fails its own requests, nothing else
-        results = [internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests)
+    except Exception as exc:
+        results = raised(exc, len(requests))
     return results, ExecutionTiming(start, time.perf_counter_ns())
+
+
+def raised(exc: Exception, count: int) -> list[ExecuteResult]:
+    """The results of `count` requests whose backend raised `exc`: a backend bug fails its own
+    requests, nothing else."""
+    if isinstance(exc, PierError):
+        return [exc] * count
+    return [internal(f"backend error: {type(exc).__name__}: {exc}")] * count

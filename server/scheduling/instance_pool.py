@@ -24,9 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pier.contract.backend import ModelInstance
-from pier.contract.errors import PierError, internal
 from pier.contract.types import ExecuteResult, InferenceRequest
-from pier.scheduling.base import execute_timed
+from pier.scheduling.base import execute_timed, raised
 
 INLINE_BELOW_NS = 100_000  # executions this short (moving average) may run on the event loop
 _WARMUP = 32  # executions observed on the workers before inline execution is considered
@@ -201,10 +200,8 @@ class LoopPool:
             job = _Started(self, instance, done)
             try:
                 instance.begin_execute(requests, job.finish)
-            except PierError as exc:
-                job.finish([exc] * len(requests))
-            except Exception as exc:  # a backend bug fails its own requests, nothing else
-                job.finish([internal(f"backend error: {type(exc).__name__}: {exc}")] * len(requests))
+            except Exception as exc:
+                job.finish(raised(exc, len(requests)))
             job.starting = False
             if not job.finished:
                 return  # it runs elsewhere: its finish goes on from there
