@@ -52,6 +52,9 @@ from .aux import AuxHandler, Entry, StubLink, end_stream
 log = logging.getLogger("pier.backends.python")
 
 FINALIZE_TIMEOUT_S = 30.0
+# The tensor bytes of a batch, or of its answer, that the event loop copies into / out of the exec
+# channel's shared memory itself (~0.05 ms per MiB); a larger one is copied on a worker thread.
+LOOP_COPY_BYTES = 1 << 20
 SENDS_TIMEOUT_S = 10.0  # an execute's results wait at most this long for the responses sent before them
 METRICS_TIMEOUT_S = 0.25  # a scrape waits this long for a busy stub's custom metrics, then shows the last ones
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
@@ -120,6 +123,7 @@ class ProcessInstance(ModelInstance):
         link, rids = sent
         try:
             try:
+                link.exec_sock.setblocking(True)  # an event loop's reader (uvloop's) leaves it non-blocking
                 got = link.exec_rx.recv()
             except BadMessage as exc:
                 return self._unusable(link, rids, exc)
@@ -137,12 +141,15 @@ class ProcessInstance(ModelInstance):
     def begin_execute(self, requests: Sequence[InferenceRequest], finish: Finish) -> None:
         """A batch from the server's event loop: sent there, and its answer read there when the exec
         socket turns readable; `finish` gets the results in that same callback (no thread, no task)."""
+        loop = asyncio.get_running_loop()
+        if sum(t.data.nbytes for r in requests for t in r.inputs) > LOOP_COPY_BYTES:
+            self._on_worker(loop, requests, finish)
+            return
         sent = self._send(requests)
         if not isinstance(sent, tuple):
             finish(sent)
             return
         link, rids = sent
-        loop = asyncio.get_running_loop()
         fd = link.exec_sock.fileno()
 
         def readable() -> None:
@@ -159,7 +166,7 @@ class ProcessInstance(ModelInstance):
             except OSError:
                 got = None
             loop.remove_reader(fd)
-            if got is not None and not self._sends_unhandled(link, got[0]):
+            if got is not None and not self._sends_unhandled(link, got[0]) and not self._big(got):
                 results = self._results(link, rids, *got)
                 self._done(link)
                 finish(results)
@@ -170,17 +177,40 @@ class ProcessInstance(ModelInstance):
 
         loop.add_reader(fd, readable)
 
+    def _on_worker(self, loop: asyncio.AbstractEventLoop, requests: Sequence[InferenceRequest],
+                   finish: Finish) -> None:
+        """A batch too large to copy on the loop: `execute` on a worker thread, `finish` on the loop."""
+        def done(fut: asyncio.Future[list[ExecuteResult]]) -> None:
+            exc = fut.exception()
+            finish(fut.result() if exc is None else
+                   [internal(f"python model '{self._model}' failed: {type(exc).__name__}: {exc}")] * len(requests))
+
+        loop.run_in_executor(None, self.execute, requests).add_done_callback(done)
+
+    @staticmethod
+    def _big(got: tuple[object, wire.Source]) -> bool:
+        """Whether reading this answer's tensors copies more than the loop should (see LOOP_COPY_BYTES)."""
+        msg, mapping = got
+        return isinstance(msg, m.Result) and wire.borrowed_bytes(msg.results, mapping) > LOOP_COPY_BYTES
+
     async def _slow_answer(self, link: StubLink, rids: list[int], got: tuple[object, wire.Source] | None,
                            finish: Finish) -> None:
+        """An answer not read on the loop: the stub died, its model's sends are not handled yet, or
+        its tensors are large (copied out on a worker thread)."""
         loop = asyncio.get_running_loop()
         try:
             if got is None:  # the child died (its supervisor shut this channel down)
                 await loop.run_in_executor(None, link.dead.wait, 10)
                 results = self._died(link, rids)
             else:
-                await loop.run_in_executor(None, link.wait_for_sends, self._sends_unhandled(link, got[0]),
-                                           SENDS_TIMEOUT_S)
-                results = self._results(link, rids, *got)
+                msg, mapping = got
+
+                def answer() -> list[ExecuteResult]:
+                    if sends := self._sends_unhandled(link, msg):
+                        link.wait_for_sends(sends, SENDS_TIMEOUT_S)
+                    return self._results(link, rids, msg, mapping)
+
+                results = await loop.run_in_executor(None, answer)
         finally:
             self._done(link)
         finish(results)

@@ -20,10 +20,12 @@ costs ~0.35 ms in a fresh memfd, ~0.05 ms copied into pages already there.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -353,6 +355,15 @@ def result_out(result: Outputs | PierError | None, packer: Packer) -> WireResult
     if isinstance(result, PierError):
         return error_out(result)
     return WireOutputs([tensor_out(t, packer) for t in result.tensors], dict(result.parameters), result.reschedule)
+
+
+def borrowed_bytes(results: Sequence[WireResult | None], mapping: Source) -> int:
+    """The bytes `result_in` copies out of the peer's arena for these results (0 when their large
+    tensors, if any, are in a memfd of the message's own: those are mapped, not copied)."""
+    if not isinstance(mapping, Borrowed):
+        return 0
+    return sum(math.prod(t.array_shape) * np.dtype(t.dtype).itemsize
+               for w in results if isinstance(w, WireOutputs) for t in w.tensors if t.where == _SHARED)
 
 
 def result_in(w: WireResult | None, mapping: Source) -> Outputs | PierError | None:

@@ -5,16 +5,19 @@ restart limit, initialize() errors, close), and the backend's settings."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+import uvloop
 
 from pier.backends.python.backend import BACKEND, PythonSettings
-from pier.backends.python.process import ProcessInstance, default_launch
+from pier.backends.python.process import LOOP_COPY_BYTES, ProcessInstance, default_launch
 from pier.contract.backend import InstanceContext, ModelContext
 from pier.contract.errors import ErrorCode, PierError
 from pier.contract.types import InferenceRequest, InstanceGroupSpec, ModelSpec, Outputs, Tensor, TensorSpec
@@ -40,6 +43,8 @@ class TritonPythonModel:
             mode = r.parameters()
             if '"exit"' in mode:
                 os._exit(3)
+            if '"grow"' in mode:
+                x = np.arange(600_000, dtype=np.float32)
             if '"bls"' in mode:
                 resp = pb_utils.InferenceRequest(model_name="other", inputs=[], requested_output_names=[]).exec()
                 text = resp.error().message() if resp.has_error() else "no error"
@@ -159,6 +164,58 @@ def test_a_model_runs_in_its_own_process_and_answers(tmp_path: Path) -> None:
     finally:
         instance.close()
     assert not _alive(int(pid[0]))
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_large_batches_and_answers_are_copied_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 loop_factory: Callable[[], asyncio.AbstractEventLoop]
+                                                                 ) -> None:
+    """begin_execute copies tensors into and out of the exec channel's shared memory on the loop up
+    to LOOP_COPY_BYTES; a larger batch, or a larger answer, is copied on a worker thread. The same
+    channel serves both ways in turn (uvloop's reader leaves its socket non-blocking)."""
+    copies: list[tuple[str, bool]] = []  # (direction, on the loop's thread)
+    loop_thread: threading.Thread | None = None
+    place, result_in = wire.Arena.place, wire.result_in
+
+    def spy_place(self: wire.Arena, packer: wire.Packer) -> int | None:
+        copies.append(("in", threading.current_thread() is loop_thread))
+        return place(self, packer)
+
+    def spy_result_in(w: wire.WireResult | None, mapping: wire.Source) -> Outputs | PierError | None:
+        if isinstance(mapping, wire.Borrowed):
+            copies.append(("out", threading.current_thread() is loop_thread))
+        return result_in(w, mapping)
+
+    monkeypatch.setattr(wire.Arena, "place", spy_place)
+    monkeypatch.setattr(wire, "result_in", spy_result_in)
+    instance = ProcessInstance(_context(tmp_path), InstanceContext("m_0", "KIND_CPU"), default_launch())
+
+    async def run(x: np.ndarray, **params: str) -> np.ndarray:
+        nonlocal loop_thread
+        loop_thread = threading.current_thread()
+        fut: asyncio.Future[list] = asyncio.get_running_loop().create_future()
+        instance.begin_execute([_request(x, **params)], fut.set_result)
+        (result,) = await asyncio.wait_for(fut, 30)
+        assert isinstance(result, Outputs)
+        return result.tensors[0].data
+
+    rng = np.random.default_rng(3)
+    small = rng.random(100_000).astype(np.float32)  # 400 KB: the arena, under the bound
+    big = rng.random((LOOP_COPY_BYTES >> 2) + 1).astype(np.float32)
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            for _ in range(2):
+                assert np.array_equal(runner.run(run(small)), small)
+                assert copies == [("in", True), ("out", True)]
+                copies.clear()
+                assert np.array_equal(runner.run(run(big)), big)
+                assert copies == [("in", False), ("out", False)]
+                copies.clear()
+                assert np.array_equal(runner.run(run(small[:4], mode="grow")), np.arange(600_000, dtype=np.float32))
+                assert copies == [("out", False)]  # a small batch whose answer is large
+                copies.clear()
+    finally:
+        instance.close()
 
 
 def test_decoupled_responses_come_through_the_sink(tmp_path: Path) -> None:
