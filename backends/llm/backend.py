@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
+import logging
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ from pier.contract.backend import Backend, InstanceContext, LoadProgress, ModelC
 from pier.contract.errors import PierError, internal, invalid_arg, unavailable
 from pier.contract.llm import INPUTS, OUTPUTS
 from pier.contract.types import ExecuteResult, InferenceRequest, ModelSignature, Outputs, Tensor
+
+log = logging.getLogger("pier.llm")
 
 
 def _scalar(request: InferenceRequest, name: str) -> Any:
@@ -99,6 +102,10 @@ class LLMInstance(ModelInstance):
             raise unavailable(f"tool_call_parser {self.tool_call_parser!r} is not one of "
                               f"{', '.join(llm.TOOL_CALL_PARSERS)}")
         self._dead_error = EngineDeadError
+        # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter since the engine started, in the order
+        # of their last change (name: path, None for an unload), applied again to a restarted core
+        self._runtime_lora: dict[str, str | None] = {}
+        self._health_reports = 0
         try:
             params = resolve_lora_modules(params, ctx.version_dir)
             self.watermark = degrade.Watermark(params, ctx.spec.name)
@@ -110,9 +117,20 @@ class LLMInstance(ModelInstance):
             if in_process:
                 self.engine = AsyncLLMEngine.from_parameters(folder, params, on_progress, **overrides)
             else:
-                def on_health(reason: str | None) -> None:
+                def report(reason: str | None) -> None:
                     ctx.report_health(where.name, reason)
                     BASES.health(self.name, self, reason)  # the adapter models running on this engine
+
+                def on_health(reason: str | None) -> None:
+                    """From the engine's supervisor thread. A restarted core serves its startup set of
+                    LoRA adapters: the runtime loads and unloads are applied again before it is READY."""
+                    self._health_reports += 1
+                    if reason is None and self._runtime_lora:
+                        seq = self._health_reports
+                        asyncio.run_coroutine_threadsafe(self._restore_lora(), self._loop).add_done_callback(
+                            lambda _: report(None) if seq == self._health_reports else None)
+                        return
+                    report(reason)
 
                 self.engine = EngineCoreClient.from_parameters(folder, params, on_health, on_progress, **overrides)
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
@@ -376,8 +394,24 @@ class LLMInstance(ModelInstance):
                 **lora}
 
     async def update_lora(self, name: str, path: str | None, inplace: bool) -> tuple[int, str]:
-        lora_on = self.engine.facts.max_loras
-        return await self.engine.update_lora(name, path, inplace) if lora_on else (400, "LoRA feature is not enabled.")
+        if not self.engine.facts.max_loras:
+            return 400, "LoRA feature is not enabled."
+        status, text = await self.engine.update_lora(name, path, inplace)
+        if status == 200 and not name.startswith(INTERNAL_PREFIX):  # adapter models add theirs again themselves
+            self._runtime_lora.pop(name, None)
+            self._runtime_lora[name] = path
+        return status, text
+
+    async def _restore_lora(self) -> None:
+        """Apply the runtime adapter loads and unloads to a restarted engine core."""
+        for name, path in list(self._runtime_lora.items()):
+            try:
+                status, text = await self.engine.update_lora(name, path, True)
+            except Exception as exc:  # noqa: BLE001 - the engine died again: its next restart retries
+                status, text = 503, str(exc)
+            if status != 200 and not (path is None and status == 404):  # an unload of a runtime-only adapter
+                log.error("model '%s': LoRA adapter '%s' could not be %s again after the engine restarted: %s",
+                          self.name, name, "unloaded" if path is None else "loaded", text)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

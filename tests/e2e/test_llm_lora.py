@@ -4,13 +4,17 @@ greedy answers equal PEFT's PeftModel + transformers token for token, base and t
 once; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with its codes and texts; /v1/models
 lists the adapters with root and parent, and so does the repository index; a corrupt adapter fails
 its load, named, and the server keeps serving; vllm:lora_requests_info as vLLM exports it; Triton's
-`lora_name` on generate."""
+`lora_name` on generate; what the load and unload routes changed outlives a `kill -9` of the engine
+process."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import pytest
 import requests
 
 from tests.conftest import start_pier
+from tests.processes import alive, descendants
 
 pytestmark = pytest.mark.llm
 
@@ -149,3 +154,47 @@ def test_lora_routes_are_model_control() -> None:
     from pier.frontends.http.middleware import http_category
 
     assert http_category("/v1/load_lora_adapter") == http_category("/v1/unload_lora_adapter") == "model-repository"
+
+
+def test_runtime_loads_and_unloads_outlive_an_engine_restart(setup) -> None:
+    """A restarted engine core starts with the startup set of adapters; Pier applies the loads and
+    unloads made through the routes since then again before the model is READY, so the server
+    serves what it served before the crash."""
+    server, prompts, refs, adapters, _ = setup
+    load, unload = server.base() + "/v1/load_lora_adapter", server.base() + "/v1/unload_lora_adapter"
+    oai = openai.OpenAI(base_url=server.base() + "/v1", api_key="x")
+
+    def engines() -> set[int]:
+        return {p for p in alive(descendants(server.proc.pid))
+                if b"pier.backends.llm.engine_core" in Path(f"/proc/{p}/cmdline").read_bytes()}
+
+    def served() -> set[str]:
+        return {c["id"] for c in requests.get(server.base() + "/v1/models", timeout=10).json()["data"]}
+
+    r = requests.post(load, json={"lora_name": "a5", "lora_path": str(adapters["a1"])}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert requests.post(unload, json={"lora_name": "a2"}, timeout=30).status_code == 200  # a startup adapter
+    try:
+        before = served()
+        assert "a5" in before and "a2" not in before
+        (first,) = engines()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        seen_down = False
+        while True:  # down, then back by itself: READY only with the adapters as they were
+            ready = requests.get(server.base() + "/v2/models/base/ready", timeout=10).status_code == 200
+            seen_down |= not ready
+            if seen_down and ready:
+                break
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.02)
+        assert first not in engines() and len(engines()) == 1
+        assert served() == before
+        assert _ids(oai, "a5", prompts[1]) == refs["a1"][1]
+        with pytest.raises(openai.NotFoundError, match="The model `a2` does not exist"):
+            _ids(oai, "a2", prompts[0])
+        assert _ids(oai, "a1", prompts[0]) == refs["a1"][0] and _ids(oai, None, prompts[0]) == refs[None][0]
+        assert "could not be" not in server.log()
+    finally:  # as the other tests expect it
+        requests.post(unload, json={"lora_name": "a5"}, timeout=30)
+        requests.post(load, json={"lora_name": "a2", "lora_path": str(adapters["a2"])}, timeout=30)
