@@ -74,6 +74,16 @@ def default_launch() -> StubCommand:
     return StubCommand((sys.executable, "-m", "pier.backends.python.stub"), env)
 
 
+@dataclass(slots=True)
+class _Packed:
+    """A batch ready for its stub: the link it goes over, its requests' ids, the message."""
+
+    link: StubLink
+    rids: list[int]
+    packer: wire.Packer
+    message: m.Exec
+
+
 class ProcessInstance(ModelInstance):
     may_run_on_event_loop = False  # execute blocks on the child
     awaits_execute = True  # the scheduler runs begin_execute on the loop: no worker thread
@@ -117,11 +127,16 @@ class ProcessInstance(ModelInstance):
 
     def execute(self, requests: Sequence[InferenceRequest]) -> list[ExecuteResult]:
         """A batch from any thread: sent, and its answer read, on that thread."""
-        sent = self._send(requests)
-        if not isinstance(sent, tuple):
-            return sent
-        link, rids = sent
+        packed = self._pack(requests)
+        if not isinstance(packed, _Packed):
+            return packed
+        return self._run(packed)
+
+    def _run(self, packed: _Packed) -> list[ExecuteResult]:
+        """Send a packed batch and wait for its answer, on this thread."""
+        link, rids = packed.link, packed.rids
         try:
+            self._transmit(packed)
             try:
                 link.exec_sock.setblocking(True)  # an event loop's reader (uvloop's) leaves it non-blocking
                 got = link.exec_rx.recv()
@@ -141,15 +156,16 @@ class ProcessInstance(ModelInstance):
     def begin_execute(self, requests: Sequence[InferenceRequest], finish: Finish) -> None:
         """A batch from the server's event loop: sent there, and its answer read there when the exec
         socket turns readable; `finish` gets the results in that same callback (no thread, no task)."""
+        packed = self._pack(requests)
+        if not isinstance(packed, _Packed):
+            finish(packed)
+            return
         loop = asyncio.get_running_loop()
-        if sum(t.data.nbytes for r in requests for t in r.inputs) > LOOP_COPY_BYTES:
-            self._on_worker(loop, requests, finish)
+        if packed.packer.size > LOOP_COPY_BYTES:
+            self._on_worker(loop, packed, finish)
             return
-        sent = self._send(requests)
-        if not isinstance(sent, tuple):
-            finish(sent)
-            return
-        link, rids = sent
+        self._transmit(packed)
+        link, rids = packed.link, packed.rids
         fd = link.exec_sock.fileno()
 
         def readable() -> None:
@@ -177,15 +193,15 @@ class ProcessInstance(ModelInstance):
 
         loop.add_reader(fd, readable)
 
-    def _on_worker(self, loop: asyncio.AbstractEventLoop, requests: Sequence[InferenceRequest],
-                   finish: Finish) -> None:
-        """A batch too large to copy on the loop: `execute` on a worker thread, `finish` on the loop."""
+    def _on_worker(self, loop: asyncio.AbstractEventLoop, packed: _Packed, finish: Finish) -> None:
+        """A batch too large to copy on the loop: sent and answered on a worker thread, `finish`
+        called on the loop."""
         def done(fut: asyncio.Future[list[ExecuteResult]]) -> None:
             exc = fut.exception()
             finish(fut.result() if exc is None else
-                   [internal(f"python model '{self._model}' failed: {type(exc).__name__}: {exc}")] * len(requests))
+                   [internal(f"python model '{self._model}' failed: {type(exc).__name__}: {exc}")] * len(packed.rids))
 
-        loop.run_in_executor(None, self.execute, requests).add_done_callback(done)
+        loop.run_in_executor(None, self._run, packed).add_done_callback(done)
 
     @staticmethod
     def _big(got: tuple[object, wire.Source]) -> bool:
@@ -215,9 +231,9 @@ class ProcessInstance(ModelInstance):
             self._done(link)
         finish(results)
 
-    def _send(self, requests: Sequence[InferenceRequest]) -> tuple[StubLink, list[int]] | list[ExecuteResult]:
-        """Send the batch to the stub: (its link, the requests' ids), or the batch's results when it
-        cannot go (the stub is down, a request cannot be passed)."""
+    def _pack(self, requests: Sequence[InferenceRequest]) -> _Packed | list[ExecuteResult]:
+        """The batch for the stub, its large tensors laid out (not copied yet), or the batch's
+        results when it cannot go (the stub is down, a request cannot be passed)."""
         n = len(requests)
         with self._lock:
             link = self._link
@@ -234,11 +250,15 @@ class ProcessInstance(ModelInstance):
             self._settle(link, rids, failed=True)
             self._done(link)
             return [internal(f"cannot pass the request to python model '{self._model}': {exc}")] * n
+        return _Packed(link, rids, packer, m.Exec(0, batch))
+
+    @staticmethod
+    def _transmit(packed: _Packed) -> None:
+        """Send it (its large tensors copied into the channel's shared memory here)."""
         try:
-            wire.send(link.exec_sock, m.Exec(0, batch), packer, arena=link.arena)
+            wire.send(packed.link.exec_sock, packed.message, packed.packer, arena=packed.link.arena)
         except OSError:
             pass  # the child died: the answer reads as end-of-file
-        return link, rids
 
     def _done(self, link: StubLink) -> None:
         with self._lock:
