@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import requests
 
@@ -43,15 +44,23 @@ def tree_cpu_s(root: int) -> float:
     return total / _TICK
 
 
+def model_stats(server: Server, model: str) -> list[dict[str, Any]]:
+    """`model`'s entries in the server's KServe-v2 statistics ([] when it answers none)."""
+    if server.http is None:
+        return []
+    try:
+        stats = requests.get(f"http://{server.http}/v2/models/{model}/stats", timeout=5).json()["model_stats"]
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return []
+    return stats if isinstance(stats, list) else []
+
+
 def answered(server: Server, model: str) -> int | None:
     """The successful requests `model` counts in the server's statistics (KServe-v2 stats, which
     Pier and Triton keep); None when the server keeps none (the bare servers answer fixed stats)."""
-    if server.http is None:
-        return None
     try:
-        doc = requests.get(f"http://{server.http}/v2/models/{model}/stats", timeout=5).json()
-        counts = [m["inference_stats"]["success"]["count"] for m in doc["model_stats"]]
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+        counts = [m["inference_stats"]["success"]["count"] for m in model_stats(server, model)]
+    except (KeyError, TypeError):
         return None
     return sum(counts) if any(counts) else None
 

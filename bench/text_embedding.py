@@ -16,11 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import requests
 
 from bench import report
 from bench.common import ROOT, Settings, log, temp_dir
 from bench.measure import Point, alternate, perf_analyzer_point, timed_loop
+from bench.server_cpu import model_stats
 from bench.servers import Server, Servers, measure, start_pier
 from bench.tools import perf_analyzer_required
 
@@ -94,20 +94,25 @@ def build_repo(repo: Path, model_file: Path) -> str:
 def batch_counts(server: Server, model: str) -> Counter[int]:
     """Executions per batch size in the server's statistics (KServe-v2 `batch_stats`)."""
     try:
-        doc = requests.get(f"http://{server.http}/v2/models/{model}/stats", timeout=5).json()
         return Counter({b["batch_size"]: b["compute_infer"]["count"]
-                        for m in doc["model_stats"] for b in m.get("batch_stats", [])})
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+                        for m in model_stats(server, model) for b in m.get("batch_stats", [])})
+    except (KeyError, TypeError, AttributeError):
         return Counter()
 
 
-def batches_formed(before: Counter[int], after: Counter[int]) -> str:
-    """'26 x203, 6 x203 (mean 16.0)': the batches executed between two batch_counts, most first."""
-    formed = after - before
-    if not formed:
-        return "none counted"
-    mean = sum(size * n for size, n in formed.items()) / formed.total()
-    return ", ".join(f"{size} x{n}" for size, n in formed.most_common(6)) + f" (mean {mean:.1f})"
+def noting_batches(pier: Server, model: str, label: str, notes: list[str], fn: Callable[[], Point | None]
+                   ) -> Point | None:
+    """`fn()`, with the batches `model` formed meanwhile in `notes`: '26 x203, 6 x203 (mean 16.0)',
+    most first (from the server's batch_stats)."""
+    before = batch_counts(pier, model)
+    pt = fn()
+    formed = batch_counts(pier, model) - before
+    text = "none counted"
+    if formed:
+        mean = sum(size * n for size, n in formed.items()) / formed.total()
+        text = ", ".join(f"{size} x{n}" for size, n in formed.most_common(6)) + f" (mean {mean:.1f})"
+    notes.append(f"{label}: batches formed {text}")
+    return pt
 
 
 def measure_both(group: report.Group, pier: Server, rnd: int, level: int, notes: list[str],
@@ -117,10 +122,10 @@ def measure_both(group: report.Group, pier: Server, rnd: int, level: int, notes:
     model formed go to `notes`."""
     for name, model in alternate([(BATCHED, MODEL), (UNBATCHED, NOBATCH)], rnd):
         label = f"round {rnd + 1} c={level} {name}"
-        before = batch_counts(pier, model) if model == MODEL and level > 1 else None
-        pt = measure(pier, lambda m=model, lb=label: point(m, level, lb), label, notes)
-        if before is not None:
-            notes.append(f"{label}: batches formed {batches_formed(before, batch_counts(pier, model))}")
+        def one(m: str = model, lb: str = label) -> Point | None:
+            return measure(pier, lambda: point(m, level, lb), lb, notes)
+
+        pt = noting_batches(pier, model, label, notes, one) if model == MODEL and level > 1 else one()
         if pt is None:
             continue
         log(f"{label}: {pt.throughput:,.1f} seq/s p50 {pt.p50_us / 1000:.2f} ms "
@@ -205,12 +210,12 @@ def run(settings: Settings) -> Path:
                 if level in GRPC_POINTS:
                     name, model = GRPC_POINTS[level]
                     label = f"round {rnd + 1} c={level} {name}"
-                    before = batch_counts(pier, model)
-                    pt = measure(pier, lambda m=model, c=level, lb=label: perf_analyzer_point(
-                        pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb,
-                        window_ms=window_ms), label, notes)
-                    if model == MODEL:
-                        notes.append(f"{label}: batches formed {batches_formed(before, batch_counts(pier, model))}")
+                    def over_grpc(m: str = model, c: int = level, lb: str = label) -> Point | None:
+                        return measure(pier, lambda: perf_analyzer_point(
+                            pa, settings, m, pier.grpc, "grpc", c, ["--input-data", str(data)], lb,
+                            window_ms=window_ms), lb, notes)
+
+                    pt = noting_batches(pier, model, label, notes, over_grpc) if model == MODEL else over_grpc()
                     if pt is not None:
                         log(f"{label}: {pt.throughput:,.1f} seq/s")
                         group.add(name, level, pt)
