@@ -3,13 +3,17 @@ publishes): a `.gguf` file in the model folder is the whole model, no config.jso
 beside it.
 
 - `config`: the file's metadata (`{arch}.block_count`, `.embedding_length`, ...) as the config.json
-  fields models/hf_config.py reads, as transformers' GGUF loader maps them;
+  fields models/hf_config.py reads, as transformers' GGUF loader maps them (architectures `llama`,
+  `qwen2`, `qwen3`); a `rope_freqs` tensor (llama.cpp's converter writes Llama 3.1's RoPE scaling as
+  one divisor per frequency) as RoPE's per-frequency factors;
 - `tokenizer`: `tokenizer.ggml.*` (a BPE vocabulary and merges, `tokenizer.ggml.model` "gpt2") as a
-  `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp picks for `tokenizer.ggml.pre`, and the
-  chat template and BOS/EOS the metadata carries;
+  `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp picks for `tokenizer.ggml.pre` (a kind it
+  does not list here is refused: another split would give other tokens), and the chat template and
+  BOS/EOS the metadata carries;
 - `iter_weights`: the tensors under the Hugging Face names the model files load (`blk.0.attn_q` ->
   `model.layers.0.self_attn.q_proj`), Llama's q/k rows back in Hugging Face's RoPE order (llama.cpp's
-  converter interleaves them); projections in a quantized block type as `PackedWeight`s
+  converter interleaves them for `llama`, not for Qwen's rotate-half RoPE); a tensor no model file
+  loads fails the load; projections in a quantized block type as `PackedWeight`s
   (models/gguf_blocks.py: the blocks' codes and scales, not de-quantized), float types and the
   token embedding as float32 (gguf-py's de-quantization: the embedding is looked up by row, and a
   tied LM head multiplies it).
@@ -35,15 +39,36 @@ from .quantization import QuantConfig
 log = logging.getLogger(__name__)
 
 # GGUF's general.architecture -> the Hugging Face architecture that serves it
-_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_PERMUTED = {"llama"}  # whose q/k rows llama.cpp's converter interleaves (the others rotate halves, as HF)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
-# tokenizer.ggml.pre -> does llama.cpp split digits one by one before its GPT-2 expression
-# (llama-vocab.cpp: SMOLLM, STARCODER, REFACT, COMMAND_R, CODESHELL, EXAONE, MINERVA)
-_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+          "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# a block's tensors (name.leaf) each architecture has; the others load no tensor it does not have
+_LAYER = {f"{n}.weight" for n in _BLOCK} - {"attn_q_norm.weight", "attn_k_norm.weight"}
+_LAYERS = {"llama": _LAYER, "qwen2": _LAYER | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
+           "qwen3": _LAYER | {"attn_q_norm.weight", "attn_k_norm.weight"}}
+_ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
+# tokenizer.ggml.pre -> the expression llama.cpp (llama-vocab.cpp) splits the text with before the
+# byte-level BPE, in the form Hugging Face's tokenizer.json writes it; None: GPT-2's own expression.
+_GPT2 = None
+_DIGITS_FIRST = "digits"  # each digit alone, then GPT-2's (SMOLLM, STARCODER, REFACT, COMMAND_R, ...)
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE: dict[str, str | None] = {
+    **dict.fromkeys(("default", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+                     "a.x-4.0", "mellum", "exaone4"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    _DIGITS_FIRST),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+                    _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2),
+}
+_WHOLE_WORDS = {_LLAMA3}  # llama.cpp's ignore_merges: a piece that is a token is that token
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type
 
 
@@ -108,6 +133,15 @@ def config(path: Path) -> dict[str, Any]:
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    freqs = next((t for t in r.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:  # one divisor per frequency: LongRoPE's factors, the same at every position
+        try:
+            factors = [float(v) for v in _float(freqs).flatten()]
+        except (ValueError, RuntimeError, IndexError, KeyError) as exc:
+            raise ValueError(f"GGUF file {path.name}, tensor {_ROPE_FREQS}: {exc}") from None
+        raw["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+                               "factor": 1.0, "attention_factor": 1.0,
+                               "original_max_position_embeddings": raw["max_position_embeddings"]}
     return raw
 
 
@@ -130,11 +164,19 @@ def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     tokens: list[str] = list(_field(r, "tokenizer.ggml.tokens") or [])
     types: list[int] = list(_field(r, "tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges") or []]
-    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre = _field(r, "tokenizer.ggml.pre", "default")
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"), byte_level])
-                         if pre in _DIGITS_FIRST else byte_level)
+    if pre not in _PRE:
+        raise ValueError(f"GGUF file {path.name}: tokenizer.ggml.pre {pre!r} is not supported; supported: "
+                         f"{', '.join(sorted(_PRE))}")
+    split = _PRE[pre]
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                                 ignore_merges=split in _WHOLE_WORDS))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is _GPT2 or split == _DIGITS_FIRST)
+    if split is _GPT2:
+        tok.pre_tokenizer = byte_level
+    else:
+        first = Regex(r"\p{N}" if split == _DIGITS_FIRST else split)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(first, "isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -153,12 +195,13 @@ def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     return tok, cfg
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
+    """The Hugging Face name of a tensor `arch` has; None for one it does not have."""
     stem, _, leaf = name.rpartition(".")
-    if stem in _TOP:
+    if stem in _TOP and leaf == "weight":
         return f"{_TOP[stem]}.{leaf}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and f"{parts[2]}.{leaf}" in _LAYERS[arch]:
         return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}"
     return None
 
@@ -181,13 +224,17 @@ def _float(t: Any) -> torch.Tensor:
 def iter_weights(path: Path, raw: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, float32 tensor or PackedWeight) for every tensor the model files load."""
     r = open_file(path)
-    heads = {"q_proj": int(raw["num_attention_heads"]), "k_proj": int(raw["num_key_value_heads"])}
+    heads = ({"q_proj": int(raw["num_attention_heads"]), "k_proj": int(raw["num_key_value_heads"])}
+             if raw["model_type"] in _PERMUTED else {})
     for t in r.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            continue
+        if t.name == _ROPE_FREQS:
+            continue  # config() read it
+        name = _hf_name(t.name, raw["model_type"])
         kind = t.tensor_type.name
         try:
+            if name is None:
+                raise ValueError(f"no {raw['model_type']} layer has this tensor (an architecture or a variant "
+                                 "not served from GGUF here)")
             if kind not in FLOAT_TYPES and kind not in BLOCK_TYPES:
                 raise ValueError(f"type {kind} is not supported; supported: {', '.join((*FLOAT_TYPES, *BLOCK_TYPES))}")
             projection = name.endswith("_proj.weight")

@@ -1,5 +1,5 @@
-"""Tiny random Llama models written as GGUF files with gguf-py's `GGUFWriter`, every projection in one
-GGML type: quantized with gguf-py's own `gguf.quants.quantize` where it can (F16, BF16, Q8_0, Q4_0,
+"""Tiny random Llama (and Qwen2, Qwen3) models written as GGUF files with gguf-py's `GGUFWriter`, every
+projection in one GGML type: quantized with gguf-py's own `gguf.quants.quantize` where it can (F16, BF16, Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1), and for the K-quants (which gguf-py only de-quantizes) blocks of random bytes in
 their layout, with sane float16 scales so that no weight is inf or NaN."""
 
@@ -62,33 +62,39 @@ def _tensor(writer: object, name: str, w: np.ndarray, kind: str, rng: np.random.
         writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)  # type: ignore[attr-defined]
 
 
-def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", types: dict[str, str] | None = None
-               ) -> Path:
+def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", types: dict[str, str] | None = None,
+               arch: str = "llama", pre: str = "default", merges: tuple[str, ...] = (),
+               rope_freqs: np.ndarray | None = None) -> Path:
     """A 2-layer Llama (hidden 256) as one GGUF file at `path`, every projection in `kind` (or the type
     `types` gives its GGUF name), the token embedding in `embedding` (tied LM head), norms in F32; a
-    byte-level BPE tokenizer (gpt2) and a chat template in its metadata."""
+    byte-level BPE tokenizer (gpt2, pre-tokenizer `pre`; the byte alphabet, then one token per merge
+    of `merges`) and a chat template in its metadata. `arch` "qwen2" adds q/k/v biases; "qwen3" a norm
+    over each head of q and of k and 2 heads of 128 (transformers reads no head size from a GGUF file
+    and takes Qwen3's 128); `rope_freqs`: llama.cpp's per-frequency RoPE divisors (Llama 3.1's scaling)."""
     import gguf
 
     rng = np.random.default_rng(seed)
+    heads, kv_heads = (2, 1) if arch == "qwen3" else (HEADS, KV_HEADS)
+    head = HIDDEN // heads
     path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
-    tokens = SPECIALS + _byte_chars()
+    tokens = SPECIALS + _byte_chars() + ["".join(m.split(" ")) for m in merges]
     tokens += [f"<t{i}>" for i in range(VOCAB - len(tokens))]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges([])
+    w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)
@@ -96,17 +102,23 @@ def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", typ
     def normal(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    head = HIDDEN // HEADS
     _tensor(w, "token_embd.weight", normal(VOCAB, HIDDEN, scale=0.5), embedding, rng)
     w.add_tensor("output_norm.weight", 1 + normal(HIDDEN, scale=0.2))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for i in range(LAYERS):
         w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, scale=0.2))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, scale=0.2))
-        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head, HIDDEN)),
-                            ("attn_v", (KV_HEADS * head, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv_heads * head, HIDDEN)),
+                            ("attn_v", (kv_heads * head, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))):
             full = f"blk.{i}.{name}.weight"
             _tensor(w, full, normal(*shape), (types or {}).get(full, kind), rng)
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{name}.bias", normal(shape[0], scale=0.2))
+        if arch == "qwen3":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{name}.weight", 1 + normal(head, scale=0.2))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

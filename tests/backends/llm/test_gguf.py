@@ -28,10 +28,11 @@ LAYOUT = {"F32": None, "F16": None, "BF16": None, "Q8_0": (8, 32, False), "Q4_0"
           "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
 
 
-def _hf_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def _hf_greedy(folder: Path, prompts: list[list[int]], n: int, **config: object) -> list[list[int]]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
+                                                              **config)
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -121,3 +122,79 @@ def test_mixed_types_in_one_projection_stay_in_their_blocks(tmp_path, prompts):
     assert isinstance(qkv, PackedSlices) and [(p.bits, p.group) for p in qkv.parts] == [(4, 32), (8, 32), (8, 16)]
     assert isinstance(gate_up, PackedSlices) and [(p.bits, p.offset) for p in gate_up.parts] == [(4, True), (8, False)]
     assert isinstance(layers[1].linears[0].weight, PackedWeight)  # layer 1's q/k/v: all Q4_K, one packed weight
+
+
+@pytest.mark.parametrize("arch, kind", [("qwen2", "Q8_0"), ("qwen2", "Q4_K"), ("qwen3", "Q4_1"), ("qwen3", "F16")])
+def test_qwen_files_equal_transformers_on_the_same_file(tmp_path, prompts, arch, kind):
+    """Qwen2 (q/k/v biases) and Qwen3 (a norm over each head of q and k): llama.cpp keeps their q/k
+    rows in Hugging Face's order (rotate-half RoPE), unlike Llama's."""
+    folder = tmp_path / arch
+    write_gguf(folder / "model.gguf", kind, arch=arch, pre="qwen2")
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    assert type(eng.model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12)
+
+
+def test_rope_freqs_scale_rope_as_llama_3_1(tmp_path, prompts):
+    """llama.cpp's converter writes Llama 3.1's RoPE scaling as `rope_freqs` (one divisor per
+    frequency, its formula below); the outputs equal transformers running rope_type llama3 with the
+    parameters the divisors came from (transformers' GGUF loader itself ignores the tensor)."""
+    import math
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    head = 256 // 4
+    divisors = []
+    for freq in 1.0 / (10000.0 ** (torch.arange(0, head, 2, dtype=torch.float32) / head)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < 64 / 4.0:
+            divisors.append(1.0)
+        elif wavelen > 64 / 1.0:
+            divisors.append(8.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            divisors.append(float(1 / ((1 - smooth) / 8.0 + smooth)))
+    assert 1.0 in divisors and 8.0 in divisors and len(set(divisors)) > 2  # all three bands
+    folder = tmp_path / "llama31"
+    write_gguf(folder / "model.gguf", "Q8_0", rope_freqs=np.array(divisors))
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    got = [o[0] for o in eng.generate(prompts, GREEDY)]
+    assert got == _hf_greedy(folder, prompts, 12, rope_parameters=llama3)
+    assert got != _hf_greedy(folder, prompts, 12)  # the scaling shows in these outputs
+
+
+# merges: "3 4" before "1 2", so how the digits of " 12345" are split decides the tokens
+_TEXTS = ("I'll pay 12345 dollars", "He'S 3.14159\n\n  ok  ", "x=1234;y=56")
+
+
+@pytest.mark.parametrize("pre", ["default", "gpt-2", "llama-bpe", "qwen2"])
+def test_the_pre_tokenizer_splits_as_the_file_says(tmp_path, pre):
+    """Each `tokenizer.ggml.pre` kind splits the text as llama.cpp does before the merges (GPT-2's
+    expression, Llama 3's digits in threes, Qwen2's one by one); the ids equal transformers'
+    tokenizer read from the same file."""
+    import transformers
+
+    folder = tmp_path / pre
+    write_gguf(folder / "model.gguf", "Q8_0", pre=pre, merges=("3 4", "1 2", "Ġ d"))
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")
+    for text in _TEXTS:
+        assert eng.tokenizer.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    vocab = theirs.get_vocab()
+    pieces = [theirs.convert_ids_to_tokens(i) for i in eng.tokenizer.encode(" 12345", add_special_tokens=False)]
+    assert pieces == {"default": ["Ġ", "12", "34", "5"], "gpt-2": ["Ġ", "12", "34", "5"],
+                      "llama-bpe": ["Ġ", "12", "3", "4", "5"], "qwen2": ["Ġ", "1", "2", "3", "4", "5"]}[pre], vocab
+
+
+def test_an_unknown_pre_tokenizer_or_tensor_is_refused_by_name(tmp_path):
+    folder = tmp_path / "m"
+    write_gguf(folder / "model.gguf", "Q8_0", pre="deepseek-llm")
+    with pytest.raises(ValueError, match=r"GGUF file model\.gguf: tokenizer\.ggml\.pre 'deepseek-llm' is not "
+                                         r"supported; supported: .*llama-bpe.*qwen2"):
+        LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    write_gguf(folder / "model.gguf", "Q8_0", arch="qwen2")  # Qwen's biases in a Llama file: not Llama's
+    data = (folder / "model.gguf").read_bytes().replace(b"qwen2", b"llama")
+    (folder / "model.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match=r"GGUF file model\.gguf, tensor blk\.0\.attn_q\.bias: no llama layer has "
+                                         r"this tensor"):
+        LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
