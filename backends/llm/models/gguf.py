@@ -6,10 +6,11 @@ beside it.
   fields models/hf_config.py reads, as transformers' GGUF loader maps them (architectures `llama`,
   `qwen2`, `qwen3`); a `rope_freqs` tensor (llama.cpp's converter writes Llama 3.1's RoPE scaling as
   one divisor per frequency) as RoPE's per-frequency factors;
-- `tokenizer`: `tokenizer.ggml.*` (a BPE vocabulary and merges, `tokenizer.ggml.model` "gpt2") as a
-  `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp picks for `tokenizer.ggml.pre` (a kind it
-  does not list here is refused: another split would give other tokens), and the chat template and
-  BOS/EOS the metadata carries;
+- `tokenizer`: `tokenizer.ggml.*` as a `tokenizers.Tokenizer`: a byte-level BPE vocabulary and merges
+  (`tokenizer.ggml.model` "gpt2") with the pre-tokenizer llama.cpp picks for `tokenizer.ggml.pre` (a
+  kind it does not list here is refused: another split would give other tokens), or SentencePiece's
+  BPE ("llama": Llama 2, Mistral; merges from the scores where the file lists none), and the chat
+  template and BOS/EOS the metadata carries;
 - `iter_weights`: the tensors under the Hugging Face names the model files load (`blk.0.attn_q` ->
   `model.layers.0.self_attn.q_proj`), Llama's q/k rows back in Hugging Face's RoPE order (llama.cpp's
   converter interleaves them for `llama`, not for Qwen's rotate-half RoPE); a tensor no model file
@@ -153,17 +154,45 @@ def tensor_types(path: Path) -> Counter[str]:
 def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     """(a `tokenizers.Tokenizer`, tokenizer_config.json's fields: bos/eos tokens, add_bos_token,
     chat_template) from the metadata."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import AddedToken
 
     r = open_file(path)
     kind = _field(r, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"GGUF file {path.name}: tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', "
-                         "byte-level BPE)")
+                         "byte-level BPE, and 'llama', SentencePiece's BPE)")
     tokens: list[str] = list(_field(r, "tokenizer.ggml.tokens") or [])
     types: list[int] = list(_field(r, "tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges") or []]
+    merges = [_pair(m) for m in _field(r, "tokenizer.ggml.merges") or []]
+
+    def text(key: str) -> str | None:
+        i = _field(r, key)
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    unk = text("tokenizer.ggml.unknown_token_id")
+    if kind == "gpt2":
+        tok = _byte_level(path, r, tokens, merges)
+    else:
+        scores = list(_field(r, "tokenizer.ggml.scores") or [0.0] * len(tokens))
+        tok = _sentencepiece(tokens, merges or _merges_from_scores(tokens, scores), unk,
+                             bool(_field(r, "tokenizer.ggml.add_space_prefix", True)))
+    special = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL or (t == unk and kind == "llama")]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED])
+    # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary whose file does not say otherwise
+    cfg = {"bos_token": text("tokenizer.ggml.bos_token_id"), "eos_token": text("tokenizer.ggml.eos_token_id"),
+           "unk_token": unk, "pad_token": text("tokenizer.ggml.padding_token_id"),
+           "add_bos_token": bool(_field(r, "tokenizer.ggml.add_bos_token", kind == "llama")),
+           "chat_template": _field(r, "tokenizer.chat_template")}
+    return tok, cfg
+
+
+def _byte_level(path: Path, r: Any, tokens: list[str], merges: list[tuple[str, str]]) -> Any:
+    """GPT-2's byte-level BPE, split first as llama.cpp splits for the file's `tokenizer.ggml.pre`."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
     pre = _field(r, "tokenizer.ggml.pre", "default")
     if pre not in _PRE:
         raise ValueError(f"GGUF file {path.name}: tokenizer.ggml.pre {pre!r} is not supported; supported: "
@@ -179,20 +208,41 @@ def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(first, "isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types, strict=False) if k == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED])
+    return tok
 
-    def text(key: str) -> str | None:
-        i = _field(r, key)
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    cfg = {"bos_token": text("tokenizer.ggml.bos_token_id"), "eos_token": text("tokenizer.ggml.eos_token_id"),
-           "unk_token": text("tokenizer.ggml.unknown_token_id"), "pad_token": text("tokenizer.ggml.padding_token_id"),
-           "add_bos_token": bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
-           "chat_template": _field(r, "tokenizer.chat_template")}
-    return tok, cfg
+def _sentencepiece(tokens: list[str], merges: list[tuple[str, str]], unk: str | None, prefix_space: bool) -> Any:
+    """SentencePiece's BPE (Llama 2, Mistral): spaces as "▁", one "▁" before the text where
+    `tokenizer.ggml.add_space_prefix` (the default), bytes outside the vocabulary as its <0xNN> tokens;
+    as transformers' LlamaTokenizer builds it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=unk, fuse_unk=True,
+                                 byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix_space
+                                                 else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix_space else []))
+    return tok
+
+
+def _pair(merge: str) -> tuple[str, str]:
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies (its file lists none): every split of a token into
+    two tokens, the best-scored token's first, as transformers' `generate_merges` orders them."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[str, str, float]] = []
+    for token, score in zip(tokens, scores, strict=False):
+        pairs = [(token[:k], token[k:], float(score)) for k in range(1, len(token))
+                 if token[:k] in ids and token[k:] in ids]
+        found += sorted(pairs, key=lambda m: (ids[m[0]], ids[m[1]]))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
 
 
 def _hf_name(name: str, arch: str) -> str | None:

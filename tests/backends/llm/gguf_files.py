@@ -64,13 +64,15 @@ def _tensor(writer: object, name: str, w: np.ndarray, kind: str, rng: np.random.
 
 def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", types: dict[str, str] | None = None,
                arch: str = "llama", pre: str = "default", merges: tuple[str, ...] = (),
-               rope_freqs: np.ndarray | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, sentencepiece: tuple[str, ...] = ()) -> Path:
     """A 2-layer Llama (hidden 256) as one GGUF file at `path`, every projection in `kind` (or the type
     `types` gives its GGUF name), the token embedding in `embedding` (tied LM head), norms in F32; a
     byte-level BPE tokenizer (gpt2, pre-tokenizer `pre`; the byte alphabet, then one token per merge
     of `merges`) and a chat template in its metadata. `arch` "qwen2" adds q/k/v biases; "qwen3" a norm
     over each head of q and of k and 2 heads of 128 (transformers reads no head size from a GGUF file
-    and takes Qwen3's 128); `rope_freqs`: llama.cpp's per-frequency RoPE divisors (Llama 3.1's scaling)."""
+    and takes Qwen3's 128); `rope_freqs`: llama.cpp's per-frequency RoPE divisors (Llama 3.1's scaling).
+    `sentencepiece`: a SentencePiece vocabulary instead (tokenizer "llama", as Llama 2's and Mistral's
+    files: <unk> <s> </s>, the 256 byte tokens, then these pieces, best score first, and no merges)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -88,13 +90,24 @@ def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", typ
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
-    tokens = SPECIALS + _byte_chars() + ["".join(m.split(" ")) for m in merges]
-    tokens += [f"<t{i}>" for i in range(VOCAB - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
-    w.add_token_merges(list(merges))
+    if sentencepiece:
+        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *sentencepiece]
+        kinds = [2, 3, 3] + [6] * 256 + [1] * len(sentencepiece)
+        scores = [0.0] * 259 + [-float(i) for i in range(len(sentencepiece))]
+        tokens += [f"<t{i}>" for i in range(VOCAB - len(tokens))]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(kinds + [1] * (len(tokens) - len(kinds)))
+        w.add_token_scores(scores + [-1000.0] * (len(tokens) - len(scores)))
+        w.add_unk_token_id(0)
+    else:
+        tokens = SPECIALS + _byte_chars() + ["".join(m.split(" ")) for m in merges]
+        tokens += [f"<t{i}>" for i in range(VOCAB - len(tokens))]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+        w.add_token_merges(list(merges))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)

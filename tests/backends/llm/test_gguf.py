@@ -198,3 +198,30 @@ def test_an_unknown_pre_tokenizer_or_tensor_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"GGUF file model\.gguf, tensor blk\.0\.attn_q\.bias: no llama layer has "
                                          r"this tensor"):
         LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+
+
+_PIECES = ("▁", "h", "e", "l", "o", "w", "r", "d", "ll", "▁h", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld",
+           "▁world", "▁▁", "▁l")
+_SPM_TEXTS = ("hello world", "  hello  world ", "Hello wörld ✓\nhello", "lol", "")
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers(tmp_path, prompts):
+    """tokenizer.ggml.model "llama" (Llama 2's, Mistral's files): pieces merged by score (the file has
+    no merges), "▁" for spaces and one before the text, bytes outside the vocabulary as <0xNN>; the
+    ids and the decoded text equal transformers' tokenizer from the same file, and BOS comes first."""
+    import transformers
+
+    folder = tmp_path / "spm"
+    write_gguf(folder / "model.gguf", "Q8_0", sentencepiece=_PIECES)
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")
+    tok = eng.tokenizer
+    for text in _SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == theirs.encode(text), text
+        assert tok.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        assert text.startswith(" ") or tok.decode(ids) == text  # the decoder strips the one "▁" it prepends
+    pieces = theirs.convert_ids_to_tokens(tok.encode("hello world", add_special_tokens=False))
+    assert pieces == ["▁hello", "▁world"]
+    assert tok.encode("é", add_special_tokens=False) == [259, 3 + 0xC3, 3 + 0xA9]  # "▁", then its UTF-8 bytes
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12)
