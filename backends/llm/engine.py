@@ -179,9 +179,6 @@ class LLMEngine:
         group = None
         if par.tensor_parallel_size > 1:
             shard.check(mc, par.tensor_parallel_size)  # before any rank starts
-            if self.quant is not None:
-                raise ValueError(f"quantization: {self.quant.method} weights are not served with "
-                                 "tensor_parallel_size > 1 yet")
             if cfg.lora.enable_lora:
                 raise ValueError("enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 yet")
             if spec is not None and spec.model is not None:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .quantized import PackedSlices, PackedWeight
+from .quantized import PackedSlices, PackedWeight, quantize_int8
 
 
 class LinearMethod(Protocol):
@@ -186,7 +186,8 @@ class Linear:
     def load(self, index: int, weight: torch.Tensor | PackedWeight, kind: str = "weight") -> None:
         """Keep one output slice's checkpoint tensor (`kind` "weight" [out_i, in] or "bias" [out_i]);
         sharded, only this rank's part of it (a copy: the checkpoint's tensor is not kept alive). A
-        weight may come quantized (a `PackedWeight`, layers/quantized.py; not sharded yet)."""
+        weight may come quantized (a `PackedWeight`, layers/quantized.py: its rows, or whole groups of
+        its columns, for a shard)."""
         sp = self.split
         out = self.output_sizes[index] if sp is None or sp.row else sp.full[index]
         inp = self.input_size if sp is None or not sp.row else sp.full[0]
@@ -194,9 +195,17 @@ class Linear:
         if tuple(weight.shape) != expected:
             raise ValueError(f"{self.name}: {kind} of slice {index} has shape {list(weight.shape)}, "
                              f"expected {list(expected)}")
-        if sp is not None:
-            if isinstance(weight, PackedWeight):
-                raise ValueError(f"{self.name}: quantized checkpoints are not supported with tensor parallelism yet")
+        if sp is not None and sp.row and kind == "weight" and isinstance(weight, torch.Tensor) and \
+                getattr(self.method, "online", False):
+            weight = quantize_int8(weight.to(self.dtype))  # each row's scale over the whole row, as on one rank
+        if sp is not None and isinstance(weight, PackedWeight):  # its codes and scales, still packed
+            start, length = sp.parts[index if not sp.row else 0]
+            try:
+                weight = (weight.columns(start, length) if sp.row else
+                          weight.map_rows(lambda t: t.narrow(0, start, length).clone()))
+            except ValueError as exc:
+                raise ValueError(f"{self.name}: {exc}") from None
+        elif sp is not None and isinstance(weight, torch.Tensor):
             if not sp.row:
                 weight = weight.narrow(0, *sp.parts[index]).clone()
             elif kind == "weight":

@@ -114,6 +114,26 @@ class PackedWeight:
         of a [N, ...] tensor, such as RoPE's pair layout)."""
         return replace(self, q=fn(self.q), scales=fn(self.scales), zeros=fn(self.zeros))
 
+    def columns(self, start: int, length: int) -> PackedWeight:
+        """Input columns [start, start + length) (a row-parallel rank's share): whole groups of them, and
+        whole 32-code chunks of 4-bit codes; a weight with one group per row keeps its scales. ValueError
+        for a split inside a group or an act-order weight (its stored columns are not the inputs' order)."""
+        if self.perm is not None:
+            raise ValueError("an act-order (desc_act / g_idx) weight stores its input columns out of order, so "
+                             "no rank holds a contiguous share of them")
+        whole = self.group >= self.input_size  # one scale per row: every share of the row keeps it
+        unit = max(32 if self.bits == 4 else 1, 1 if whole else self.group)
+        if start % unit or length % unit:
+            raise ValueError(f"input columns {start}..{start + length} of {self.input_size} split a group of "
+                             f"{self.group} {self.bits}-bit weights (each rank must hold whole groups)")
+        per_byte = 2 if self.bits == 4 and not self.fp8 else 1
+        q = self.q[:, start // per_byte:(start + length) // per_byte].contiguous()
+        if whole:
+            return replace(self, q=q, group=length, input_size=length)
+        g = slice(start // self.group, (start + length) // self.group)
+        return replace(self, q=q, scales=self.scales[:, g].contiguous(), zeros=self.zeros[:, g].contiguous(),
+                       input_size=length)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] in the natural input order."""
         if self.fp8:

@@ -19,6 +19,8 @@ from pier.backends.llm.parallel.shm_allreduce import SHM, remove_stale
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
+from .gguf_files import write_gguf
+from .quant_checkpoints import fp8_pair, quantized_pair
 from .tiny_model import ARCHITECTURES, build_model, hf_greedy
 
 TOKENS = 16
@@ -29,7 +31,10 @@ SMALL = dict(block_size=4, enable_prefix_caching=True, num_threads=1)
 def _kv_bytes(folder: Path, ranks: int) -> int:
     """kv_cache_memory_bytes for BLOCKS blocks on each of `ranks` ranks (the setting is per rank, as
     vLLM's is per device: a rank holds its share of the KV heads)."""
-    cfg = json.loads((folder / "config.json").read_text())
+    if not (folder / "config.json").exists():  # a GGUF file (tests/backends/llm/gguf_files.py's sizes)
+        cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2}
+    else:
+        cfg = json.loads((folder / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     kv_heads = max(cfg.get("num_key_value_heads", heads) // ranks, 1)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -116,6 +121,47 @@ def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir):
         two.close()
     assert [t for t, _, _ in ref] == hf_greedy(folder, prompts, TOKENS) * 2
     _close(ref, got)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "int8", "fp8-block", "gguf-Q4_K", "gguf-Q6_K"])
+def test_quantized_weights_split_across_two_ranks(fmt, llama_dir, tmp_path):
+    """A quantized checkpoint on two ranks gives what it gives on one: each rank keeps its rows of the
+    column-parallel projections and whole groups of the row-parallel ones' columns, still packed
+    (GPTQ/AWQ 4-bit in groups of 32, FP8 in 48x32 blocks, GGUF's Q4_K and Q6_K blocks; int8 is
+    quantized after the split, per row)."""
+    from pier.backends.llm.layers.quantized import PackedWeight
+
+    settings: dict[str, object] = {}
+    if fmt in ("gptq", "awq"):
+        folder, _ = quantized_pair(llama_dir, tmp_path, fmt, 4)
+    elif fmt == "fp8-block":
+        folder, _ = fp8_pair(llama_dir, tmp_path, fmt)
+    elif fmt == "int8":
+        folder, settings = llama_dir, {"quantization": "int8"}
+    else:
+        folder = write_gguf(tmp_path / fmt / "model.gguf", fmt.split("-")[1]).parent
+    prompts = _prompts()
+    one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL, **settings))  # type: ignore[arg-type]
+    ref = _run(one, prompts)
+    two = LLMEngine(folder, EngineConfig(tensor_parallel_size=2, kv_cache_memory_bytes=_kv_bytes(folder, 2),
+                                         **SMALL, **settings))  # type: ignore[arg-type]
+    try:
+        got = _run(two, prompts)
+        layer = two.runner.model.layers[0]  # type: ignore[attr-defined]
+        qkv, o = layer.qkv_proj.weight, layer.o_proj.weight
+        assert isinstance(qkv, PackedWeight) and isinstance(o, PackedWeight)  # this rank's share, still packed
+        full = one.model.layers[0]  # type: ignore[attr-defined]
+        assert qkv.shape[0] * 2 == full.qkv_proj.weight.shape[0] and o.input_size * 2 == full.o_proj.weight.input_size
+    finally:
+        two.close()
+    _close(ref, got)
+
+
+def test_an_act_order_checkpoint_does_not_split_its_row_parallel_inputs(llama_dir, tmp_path):
+    folder, _ = quantized_pair(llama_dir, tmp_path, "gptq", 4, desc_act=True)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.(self_attn\.o|mlp\.down)_proj: an act-order "
+                                         r"\(desc_act / g_idx\) weight stores its input columns out of order"):
+        LLMEngine(folder, EngineConfig(tensor_parallel_size=2, kv_cache_memory_bytes=_kv_bytes(folder, 2), **SMALL))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
