@@ -10,6 +10,8 @@ order, then added into the residual stream, as transformers sums them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .activation import SiluAndMul
@@ -28,6 +30,14 @@ class FusedMoE:
         self.w13: torch.Tensor | None = None  # [E, hidden, 2 * inter]
         self.w2: torch.Tensor | None = None  # [E, inter, hidden]
         self._parts: dict[tuple[int, int], torch.Tensor] = {}
+        self.share: tuple[int, int] | None = None  # (start, length) of each expert's width this rank holds
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def shard(self, start: int, length: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Hold only channels [start, start + length) of every expert's width (tensor parallelism, before
+        `load`): gate and up column-parallel, down row-parallel; the ranks' partial sums are all-reduced
+        (the router stays whole on every rank, so each routes alike)."""
+        self.share, self.all_reduce = (start, length), all_reduce
 
     def load(self, expert: int, part: int, weight: torch.Tensor) -> None:
         """One expert's checkpoint tensor: part 0 gate [inter, hidden], 1 up [inter, hidden], 2 down [hidden, inter]."""
@@ -35,6 +45,8 @@ class FusedMoE:
         if tuple(weight.shape) != expected:
             raise ValueError(f"{self.name}: expert {expert} {('gate', 'up', 'down')[part]} weight has shape "
                              f"{list(weight.shape)}, expected {list(expected)}")
+        if self.share is not None:
+            weight = weight.narrow(1 if part == 2 else 0, *self.share).clone()
         self._parts[(expert, part)] = weight.to(device=self.device, dtype=self.dtype)
 
     def finish(self) -> None:
@@ -71,6 +83,8 @@ class FusedMoE:
             out = torch.mm(self.act(torch.mm(picked[rows], self.w13[e])), self.w2[e])
             total.index_add_(0, tokens[rows], (out * scale[rows]).to(total.dtype))
             start += count
+        if self.all_reduce is not None:  # each rank summed its share of every expert's width
+            total = self.all_reduce(total)
         if shared is not None:
             total.add_(shared)
         return residual.add_(total)

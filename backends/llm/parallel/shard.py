@@ -2,7 +2,8 @@
 (`Linear.shard`, `VocabEmbedding.shard`, the attention's heads):
 
 - q/k/v and gate/up column-parallel (each rank its heads' rows, its share of the MLP's width), o and
-  down row-parallel (one all-reduce each);
+  down row-parallel (one all-reduce each); a mixture of experts alike: every expert's width split,
+  its gate/up and down as the dense MLP's, one all-reduce of the summed experts (the router whole);
 - KV heads split across the ranks, or, with fewer KV heads than ranks, each rank holds the one its
   query heads read (replicated);
 - the embedding and the LM head vocabulary-parallel.
@@ -20,9 +21,10 @@ from ..layers.vocab import VocabShard
 from ..models.hf_config import ArchConfig
 from .group import ParallelGroup
 
-# the architectures whose layers are Llama's projections (models/llama.py's LlamaDecoderLayer)
-SPLITS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-          "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# the architectures whose layers are Llama's projections (models/llama.py's LlamaDecoderLayer), or
+# those with a mixture of experts (models/mixtral.py's MoEDecoderLayer) and no shared expert
+SPLITS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+          "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def check(cfg: ArchConfig, size: int) -> None:
@@ -41,6 +43,9 @@ def check(cfg: ArchConfig, size: int) -> None:
                    "divide evenly among them)")
     if cfg.intermediate_size % size:
         why.append(f"its MLP width {cfg.intermediate_size} (intermediate_size)")
+    expert = cfg.raw.get("moe_intermediate_size")
+    if expert is not None and int(expert) % size:
+        why.append(f"its experts' width {expert} (moe_intermediate_size)")
     if why:
         raise ValueError(f"tensor_parallel_size {size} does not divide {' nor '.join(why)}: each rank must "
                          "hold whole heads and an equal share of the MLP")
@@ -63,6 +68,10 @@ def shard_model(model: Any, group: ParallelGroup) -> None:
         for row in (layer.o_proj, layer.down_proj):
             width = row.input_size // n
             row.shard(Split(((r * width, width),), (row.input_size,), group.all_reduce, group.first))
+        moe = getattr(layer, "moe", None)
+        if moe is not None:
+            width = moe.inter // n
+            moe.shard(r * width, width, group.all_reduce)
         attn = layer.attn
         attn.num_heads, attn.num_kv_heads = q_local, kv_local
         attn.q_size, attn.kv_size = q_local * hd, kv_local * hd

@@ -97,9 +97,20 @@ def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("phi3") / "model", arch, **{**settings, "sliding_window": 32})
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir):
-    folder = {"llama": llama_dir, "qwen3": qwen3_dir, "phi3": phi3_dir}[arch]
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Mixtral (4 experts, 2 per token; its sliding window widened to 32, as phi3_dir's) and Qwen3-MoE
+    (8 experts of width 32, 3 per token, layer 1 dense)."""
+    mixtral, qwen3_moe = ARCHITECTURES["mixtral"], ARCHITECTURES["qwen3_moe"]
+    return {"mixtral": build_model(tmp_path_factory.mktemp("mixtral") / "model", mixtral[0],
+                                   **{**mixtral[1], "sliding_window": 32}),
+            "qwen3_moe": build_model(tmp_path_factory.mktemp("qwen3_moe") / "model", qwen3_moe[0], **qwen3_moe[1])}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
+def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir, moe_dirs):
+    """Mixtral's and Qwen3-MoE's experts split too: each rank half of every expert's width."""
+    folder = {"llama": llama_dir, "qwen3": qwen3_dir, "phi3": phi3_dir, **moe_dirs}[arch]
     prompts = _prompts()
     one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL))  # type: ignore[arg-type]
     ref = _run(one, prompts)
@@ -111,6 +122,9 @@ def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir):
         stats = two.stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
         assert two.runner.model.config.num_kv_heads == one.model.config.num_kv_heads
+        moe = getattr(two.model.layers[0], "moe", None)  # type: ignore[attr-defined]
+        if moe is not None:  # [E, hidden, 2 * width / 2] on this rank
+            assert moe.w13.shape[2] == one.model.layers[0].moe.w13.shape[2] // 2  # type: ignore[attr-defined]
         specs = two.model.kv_cache_specs()  # each rank holds its share of the KV heads (or the one it reads)
         assert specs[0].num_kv_heads == max(one.model.kv_cache_specs()[0].num_kv_heads // 2, 1)
         assert two.kv.pool.num_blocks == BLOCKS
@@ -201,6 +215,14 @@ def test_stale_segments_removed():
 def test_heads_that_do_not_divide(llama_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide its 4 attention heads"):
         LLMEngine(llama_dir, EngineConfig(tensor_parallel_size=3))
+
+
+def test_an_architecture_not_split_yet_is_refused_by_name(tmp_path):
+    folder = build_model(tmp_path / "model", "qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: Qwen2MoeForCausalLM is not split across ranks yet "
+                                         r"\(tensor parallelism serves .*MixtralForCausalLM.*Qwen3MoeForCausalLM\)"):
+        LLMEngine(folder, EngineConfig(tensor_parallel_size=2))
 
 
 def test_thread_engine_core_refused():
