@@ -62,7 +62,7 @@ class FusedMoE:
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, residual: torch.Tensor,
                  shared: torch.Tensor | None = None) -> torch.Tensor:
         """Add the experts' weighted outputs for x [N, hidden] (and `shared`, a shared expert's gated
-        output, Qwen2-MoE's) into `residual` (in place) and return it."""
+        output, Qwen2-MoE's; sharded, this rank's partial sum of it) into `residual` (in place) and return it."""
         assert self.w13 is not None and self.w2 is not None, f"{self.name}: not loaded"
         probs = torch.softmax(router_logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -83,8 +83,8 @@ class FusedMoE:
             out = torch.mm(self.act(torch.mm(picked[rows], self.w13[e])), self.w2[e])
             total.index_add_(0, tokens[rows], (out * scale[rows]).to(total.dtype))
             start += count
+        if shared is not None:  # a rank's share of it with tensor parallelism, summed with the experts'
+            total.add_(shared)
         if self.all_reduce is not None:  # each rank summed its share of every expert's width
             total = self.all_reduce(total)
-        if shared is not None:
-            total.add_(shared)
         return residual.add_(total)

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..layers.linear import Linear, Split
 from ..layers.vocab import VocabShard
 from ..models.hf_config import ArchConfig
 from .group import ParallelGroup
 
 # the architectures whose layers are Llama's projections (models/llama.py's LlamaDecoderLayer), or
-# those with a mixture of experts (models/mixtral.py's MoEDecoderLayer) and no shared expert
+# those with a mixture of experts (models/mixtral.py's MoEDecoderLayer; Qwen2-MoE's shared expert too)
 SPLITS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-          "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+          "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def check(cfg: ArchConfig, size: int) -> None:
@@ -43,12 +45,19 @@ def check(cfg: ArchConfig, size: int) -> None:
                    "divide evenly among them)")
     if cfg.intermediate_size % size:
         why.append(f"its MLP width {cfg.intermediate_size} (intermediate_size)")
-    expert = cfg.raw.get("moe_intermediate_size")
-    if expert is not None and int(expert) % size:
-        why.append(f"its experts' width {expert} (moe_intermediate_size)")
+    for key, what in (("moe_intermediate_size", "its experts' width"),
+                      ("shared_expert_intermediate_size", "its shared expert's width")):
+        width = cfg.raw.get(key)
+        if width and int(width) % size:
+            why.append(f"{what} {width} ({key})")
     if why:
         raise ValueError(f"tensor_parallel_size {size} does not divide {' nor '.join(why)}: each rank must "
                          "hold whole heads and an equal share of the MLP")
+
+
+def _partial(t: torch.Tensor) -> torch.Tensor:
+    """A row-parallel product left as this rank's partial sum (FusedMoE's all-reduce adds it up)."""
+    return t
 
 
 def shard_model(model: Any, group: ParallelGroup) -> None:
@@ -72,6 +81,12 @@ def shard_model(model: Any, group: ParallelGroup) -> None:
         if moe is not None:
             width = moe.inter // n
             moe.shard(r * width, width, group.all_reduce)
+        shared = getattr(layer, "shared", None)  # Qwen2-MoE's shared expert: its partial sum joins the experts'
+        if shared is not None:
+            gate_up, down, _ = shared  # its sigmoid gate [hidden -> 1] stays whole: a factor per token
+            width = down.input_size // n
+            gate_up.shard(Split(((r * width, width),) * 2, gate_up.output_sizes))
+            down.shard(Split(((r * width, width),), (down.input_size,), _partial, group.first))
         attn = layer.attn
         attn.num_heads, attn.num_kv_heads = q_local, kv_local
         attn.q_size, attn.kv_size = q_local * hd, kv_local * hd

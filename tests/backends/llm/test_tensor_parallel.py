@@ -99,17 +99,20 @@ def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Mixtral (4 experts, 2 per token; its sliding window widened to 32, as phi3_dir's) and Qwen3-MoE
-    (8 experts of width 32, 3 per token, layer 1 dense)."""
+    """Mixtral (4 experts, 2 per token; its sliding window widened to 32, as phi3_dir's), Qwen3-MoE
+    (8 experts of width 32, 3 per token, layer 1 dense) and Qwen2-MoE (a shared expert of width 64)."""
     mixtral, qwen3_moe = ARCHITECTURES["mixtral"], ARCHITECTURES["qwen3_moe"]
     return {"mixtral": build_model(tmp_path_factory.mktemp("mixtral") / "model", mixtral[0],
                                    **{**mixtral[1], "sliding_window": 32}),
-            "qwen3_moe": build_model(tmp_path_factory.mktemp("qwen3_moe") / "model", qwen3_moe[0], **qwen3_moe[1])}
+            "qwen3_moe": build_model(tmp_path_factory.mktemp("qwen3_moe") / "model", qwen3_moe[0], **qwen3_moe[1]),
+            "qwen2_moe": build_model(tmp_path_factory.mktemp("qwen2_moe") / "model", "qwen2_moe", num_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=64)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"])
 def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir, moe_dirs):
-    """Mixtral's and Qwen3-MoE's experts split too: each rank half of every expert's width."""
+    """The experts split too: each rank half of every expert's width (and of Qwen2-MoE's shared expert)."""
     folder = {"llama": llama_dir, "qwen3": qwen3_dir, "phi3": phi3_dir, **moe_dirs}[arch]
     prompts = _prompts()
     one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL))  # type: ignore[arg-type]
@@ -217,12 +220,13 @@ def test_heads_that_do_not_divide(llama_dir):
         LLMEngine(llama_dir, EngineConfig(tensor_parallel_size=3))
 
 
-def test_an_architecture_not_split_yet_is_refused_by_name(tmp_path):
+def test_widths_that_do_not_divide_are_named(tmp_path):
     folder = build_model(tmp_path / "model", "qwen2_moe", num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=64)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2: Qwen2MoeForCausalLM is not split across ranks yet "
-                                         r"\(tensor parallelism serves .*MixtralForCausalLM.*Qwen3MoeForCausalLM\)"):
-        LLMEngine(folder, EngineConfig(tensor_parallel_size=2))
+                         moe_intermediate_size=50, shared_expert_intermediate_size=40)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide its 4 attention heads.* nor its "
+                                         r"experts' width 50 \(moe_intermediate_size\) nor its shared expert's width "
+                                         r"40 \(shared_expert_intermediate_size\)"):
+        LLMEngine(folder, EngineConfig(tensor_parallel_size=3))
 
 
 def test_thread_engine_core_refused():
