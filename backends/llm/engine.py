@@ -179,8 +179,6 @@ class LLMEngine:
         group = None
         if par.tensor_parallel_size > 1:
             shard.check(mc, par.tensor_parallel_size)  # before any rank starts
-            if cfg.lora.enable_lora:
-                raise ValueError("enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 yet")
             if spec is not None and spec.model is not None:
                 raise ValueError("speculative_config: a draft model is not served with tensor_parallel_size > 1 yet "
                                  "(the n-gram method is)")
@@ -205,7 +203,9 @@ class LLMEngine:
         self.lora: LoRAManager | None = None
         if cfg.lora.enable_lora:  # the projections get the LoRA method; the runner sets its rows each step
             self.runner.lora = LoRABatch()
-            self.lora = LoRAManager(self.model, cfg.lora, self.runner.lora)
+            self.lora = LoRAManager(self.model, cfg.lora, self.runner.lora, record=self.executor is not None)
+            if self.executor is not None:  # the other ranks install and evict as rank 0 does, step by step
+                self.executor.lora_ops = self.lora.take_ops
             for module in cfg.lora.lora_modules:  # a bad one fails the load, naming it
                 self.lora.add(module.name, Path(module.path), module.base_model_name)
         self.scheduler = Scheduler(cfg, self.kv, None if spec is None else Proposer(spec, self.max_model_len).propose)

@@ -120,12 +120,13 @@ def read_adapter(path: Path, max_rank: int, targets: dict[str, Target]) -> dict[
         (a_name, a), (b_name, b) = ab["A"], ab["B"]
         t = targets[module]
         rank = a.shape[0] if a.dim() == 2 else -1
-        want_a = [rank, t.linear.input_size]
-        want_b = [t.linear.output_sizes[t.index], rank]
+        inputs = t.linear.checkpoint_input_size  # a tensor-parallel shard's checkpoint sizes: the whole
+        want_a = [rank, inputs]
+        want_b = [t.linear.checkpoint_sizes[t.index], rank]
         for name, tensor, want in ((a_name, a, want_a), (b_name, b, want_b)):
             if list(tensor.shape) != want or rank < 1:
                 raise LoRAError(f"{weights}: tensor {name} has shape {list(tensor.shape)}, expected "
-                                f"{want if rank >= 1 else '[rank, ' + str(t.linear.input_size) + ']'}")
+                                f"{want if rank >= 1 else '[rank, ' + str(inputs) + ']'}")
         if rank > max_rank:
             raise LoRAError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
         a_alpha = next((v for k, v in alphas.items() if re.search(rf"(^|\.){re.escape(k)}$", module)), alpha)
@@ -172,12 +173,14 @@ def lora_targets(model: Any) -> dict[str, Target]:
     return targets
 
 
-class LoRAManager:
-    """The adapters served (by name), and the weights of those in the layers (LRU by id)."""
+class LoRALayers:
+    """The adapters' weights in a model's projections, by id: each projection's method wrapped in
+    `LoRALinearMethod`, and `install`/`evict` of one adapter's deltas. With tensor parallelism each
+    rank holds its share, as its layers hold theirs: a column-parallel projection its rows of B, a
+    row-parallel one its columns of A (its partial product, all-reduced with the layer's own)."""
 
-    def __init__(self, model: Any, config: LoRAConfig, batch: LoRABatch) -> None:
-        self.config = config
-        self.batch = batch
+    def __init__(self, model: Any, max_rank: int, batch: LoRABatch) -> None:
+        self.max_rank = max_rank
         self.targets = lora_targets(model)
         self.methods: dict[int, LoRALinearMethod] = {}  # id(linear) -> its wrapped method
         for t in self.targets.values():
@@ -185,10 +188,69 @@ class LoRAManager:
                 method = LoRALinearMethod(t.linear.method, batch)
                 t.linear.method = method
                 self.methods[id(t.linear)] = method
+
+    def read(self, path: Path) -> dict[str, ModuleDelta]:
+        return read_adapter(path, self.max_rank, self.targets)
+
+    def install(self, lid: int, deltas: dict[str, ModuleDelta]) -> None:
+        """Fold each projection's slices into one A [in, R] and one block-diagonal, scaled B [R, out]."""
+        by_linear: dict[int, list[tuple[Target, ModuleDelta]]] = {}
+        for module, delta in deltas.items():
+            t = self.targets[module]
+            by_linear.setdefault(id(t.linear), []).append((t, delta))
+        for key, items in by_linear.items():
+            linear = items[0][0].linear
+            sp = linear.split
+            rank = sum(d[0].shape[0] for _, d in items)
+            a_cat = torch.zeros(linear.input_size, rank, dtype=linear.dtype)
+            b_cat = torch.zeros(rank, linear.output_size, dtype=linear.dtype)
+            at = 0
+            for t, (a, b, scale) in sorted(items, key=lambda it: it[0].index):
+                r = a.shape[0]
+                start = sum(linear.output_sizes[: t.index])
+                rows = t.rows(b.to(torch.float32) * scale)  # the layer's layout of the whole slice
+                if sp is not None and not sp.row:
+                    rows = rows.narrow(0, *sp.parts[t.index])  # this rank's outputs
+                elif sp is not None:
+                    a = a.narrow(1, *sp.parts[0])  # this rank's inputs
+                a_cat[:, at : at + r] = a.t().to(linear.dtype)
+                b_cat[at : at + r, start : start + linear.output_sizes[t.index]] = rows.t().to(linear.dtype)
+                at += r
+            self.methods[key].weights[lid] = (a_cat.to(linear.device).contiguous(),
+                                              b_cat.to(linear.device).contiguous())
+
+    def evict(self, lid: int) -> None:
+        for method in self.methods.values():
+            method.weights.pop(lid, None)
+
+
+# What a tensor-parallel worker is told to do with its LoRALayers, in order: (id, path) installs
+# the adapter read from path, (id, "") evicts it (parallel/messages.py's StepDelta.lora).
+LoRAOp = tuple[int, str]
+
+
+class LoRAManager:
+    """The adapters served (by name), and the weights of those in the layers (LRU by id). With
+    `record` (tensor parallelism: the other ranks' layers follow these), every install and eviction
+    is also kept as a LoRAOp until `take_ops`."""
+
+    def __init__(self, model: Any, config: LoRAConfig, batch: LoRABatch, record: bool = False) -> None:
+        self.config = config
+        self.batch = batch
+        self.layers = LoRALayers(model, config.max_lora_rank, batch)
+        self.targets = self.layers.targets
         self.adapters: dict[str, Adapter] = {}
         self._next_id = 1
         self._names: dict[int, str] = {}  # every id given out -> its adapter's name
         self._resident: OrderedDict[int, Path] = OrderedDict()  # ids whose weights are in the layers
+        self._ops: list[LoRAOp] | None = [] if record else None
+
+    def take_ops(self) -> list[LoRAOp]:
+        """The installs and evictions since the last call (tensor parallelism ships them each step)."""
+        if self._ops is None:
+            return []
+        ops, self._ops = self._ops, []
+        return ops
 
     def add(self, name: str, path: Path, base_model_name: str | None = None, inplace: bool = False) -> Adapter:
         """Serve the adapter at `path` as `name` (read and checked now). Raises LoRAError /
@@ -198,14 +260,13 @@ class LoRAManager:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
                             "in place, set 'load_inplace' to True.")
         try:
-            deltas = read_adapter(path, self.config.max_lora_rank, self.targets)
+            deltas = self.layers.read(path)
         except LoRANotFound as exc:
             raise LoRANotFound(f"Loading lora {name} failed: {exc}") from None
         adapter = Adapter(name, self._next_id, path, base_model_name)
         self._next_id += 1
         self._names[adapter.id] = name
-        self._install(adapter.id, deltas)
-        self._resident[adapter.id] = path
+        self._install(adapter.id, path, deltas)
         self.adapters[name] = adapter
         return adapter
 
@@ -238,40 +299,24 @@ class LoRAManager:
             adapter = next((a for a in self.adapters.values() if a.id == lid), None)
             if adapter is None:  # dropped while unused: cannot happen for a running request's id
                 raise RuntimeError(f"LoRA adapter id {lid} is gone")
-            self._install(lid, read_adapter(adapter.path, self.config.max_lora_rank, self.targets))
-            self._resident[lid] = adapter.path
+            self._install(lid, adapter.path, self.layers.read(adapter.path))
         served = {a.id for a in self.adapters.values()}
         for lid in list(self._resident):
             over = len(self._resident) > self.config.cpu_loras
             if lid not in in_use and (over or lid not in served):
                 self._evict(lid)
 
-    def _install(self, lid: int, deltas: dict[str, ModuleDelta]) -> None:
-        """Fold each projection's slices into one A [in, R] and one block-diagonal, scaled B [R, out]."""
-        by_linear: dict[int, list[tuple[Target, ModuleDelta]]] = {}
-        for module, delta in deltas.items():
-            t = self.targets[module]
-            by_linear.setdefault(id(t.linear), []).append((t, delta))
-        for key, items in by_linear.items():
-            linear = items[0][0].linear
-            rank = sum(d[0].shape[0] for _, d in items)
-            a_cat = torch.zeros(linear.input_size, rank, dtype=linear.dtype)
-            b_cat = torch.zeros(rank, linear.output_size, dtype=linear.dtype)
-            at = 0
-            for t, (a, b, scale) in sorted(items, key=lambda it: it[0].index):
-                r = a.shape[0]
-                start = sum(linear.output_sizes[: t.index])
-                a_cat[:, at : at + r] = a.t().to(linear.dtype)
-                b_cat[at : at + r, start : start + linear.output_sizes[t.index]] = (
-                    t.rows(b.to(torch.float32) * scale).t().to(linear.dtype))
-                at += r
-            self.methods[key].weights[lid] = (a_cat.to(linear.device).contiguous(),
-                                              b_cat.to(linear.device).contiguous())
+    def _install(self, lid: int, path: Path, deltas: dict[str, ModuleDelta]) -> None:
+        self.layers.install(lid, deltas)
+        self._resident[lid] = path
+        if self._ops is not None:
+            self._ops.append((lid, str(path)))
 
     def _evict(self, lid: int) -> None:
         self._resident.pop(lid, None)
-        for method in self.methods.values():
-            method.weights.pop(lid, None)
+        self.layers.evict(lid)
+        if self._ops is not None:
+            self._ops.append((lid, ""))
 
 
 MULTI_LORA_FILE = "multi_lora.json"  # Triton's vLLM backend: {"name": "path"} in the version folder

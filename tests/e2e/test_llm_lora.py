@@ -62,14 +62,20 @@ def _ids(oai, model: str | None, prompt: list[int]) -> list[int]:
     return [int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens]
 
 
-def test_greedy_equals_peft_base_and_adapters_at_once(setup) -> None:
-    server, prompts, refs, _, _ = setup
-    oai = openai.OpenAI(base_url=server.base() + "/v1", api_key="x")
+def check_at_once(base: str, prompts: list[list[int]], refs: dict[str | None, list[list[int]]]) -> None:
+    """Every prompt through the base model and adapters a1 and a2, all at once (the openai SDK): each
+    answer's token ids are PEFT's (`refs`), and the adapters change them."""
+    oai = openai.OpenAI(base_url=base + "/v1", api_key="x")
     jobs = [(m, i) for i in range(len(prompts)) for m in (None, "a1", "a2")]
     with ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda j: _ids(oai, j[0], prompts[j[1]]), jobs))
     assert got == [refs[m][i] for m, i in jobs]
     assert refs["a1"] != refs[None] and refs["a2"] != refs[None]
+
+
+def test_greedy_equals_peft_base_and_adapters_at_once(setup) -> None:
+    server, prompts, refs, _, _ = setup
+    check_at_once(server.base(), prompts, refs)
 
 
 def test_models_list_adapters(setup) -> None:

@@ -125,3 +125,34 @@ def test_two_ranks_and_kill_9_of_one(tmp_path: Path) -> None:
     mine = f"pier-tp-{server.proc.pid}-"  # (other servers on this machine may hold theirs meanwhile)
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(mine)], \
         "a shared-memory segment was left behind"
+
+
+def test_lora_adapters_on_two_ranks_equal_peft(tmp_path: Path) -> None:
+    """A model on two ranks with LoRA on: a startup adapter (`lora_modules`) and one loaded through
+    /v1/load_lora_adapter answer the openai SDK, base and both adapters at once, with PEFT's greedy
+    tokens (each rank holds its share of every adapter)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("peft")
+    from tests.backends.llm.tiny_model import build_adapter, build_model, peft_greedy
+    from tests.e2e.test_llm_lora import N, check_at_once
+
+    repo = tmp_path / "repo"
+    base = build_model(repo / "base" / "1", "llama")
+    adapters = {"a1": build_adapter(base, repo / "base" / "adapters" / "a1", 1, r=8, alpha=16),
+                "a2": build_adapter(base, tmp_path / "a2", 2, r=4, alpha=8, use_rslora=True,
+                                    targets=("q_proj", "v_proj", "down_proj"))}
+    params = {"enable_lora": "true", "max_loras": "2", "tensor_parallel_size": "2",
+              "lora_modules": json.dumps([{"name": "a1", "path": "adapters/a1"}])}
+    (repo / "base" / "config.pbtxt").write_text(CONFIG + "".join(
+        f'parameters {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}\n' for k, v in params.items()))
+    prompts = [[7, 42, 99, 5], [300, 12, 8, 77, 150, 3, 64, 201, 9]]
+    refs = {name: peft_greedy(base, path, prompts, N) for name, path in {None: None, **adapters}.items()}
+    server = start_pier([repo], log_path=tmp_path / "pier.log", timeout=180, env=private_tmpdir(tmp_path))
+    try:
+        loaded = requests.post(server.base() + "/v1/load_lora_adapter", timeout=60,
+                               json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+        assert loaded.status_code == 200, loaded.text
+        check_at_once(server.base(), prompts, refs)
+        assert len(_ranks(server.proc.pid)) == 1
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

@@ -167,6 +167,12 @@ class Linear:
         sp = self.split
         return self.output_sizes if sp is None or sp.row else sp.full
 
+    @property
+    def checkpoint_input_size(self) -> int:
+        """The input width in the checkpoint (a row-parallel shard's is smaller)."""
+        sp = self.split
+        return sp.full[0] if sp is not None and sp.row else self.input_size
+
     def shard(self, split: Split) -> None:
         """Hold only this rank's share (`split`) from now on; before `load`. The layer's sizes become
         the shard's, the checkpoint's stay in `split.full`."""

@@ -25,7 +25,7 @@ class Shipper:
     def __init__(self) -> None:
         self.tables: dict[str, list[list[int]]] = {}  # every KV cache group's (kv_groups.py)
 
-    def delta(self, so: SchedulerOutput) -> StepDelta:
+    def delta(self, so: SchedulerOutput, lora: list[tuple[int, str]] | None = None) -> StepDelta:
         tables = self.tables
         for sid in so.finished_seq_ids:
             tables.pop(sid, None)
@@ -37,9 +37,10 @@ class Shipper:
             tables[s.seq_id] = [list(t) for t in now]
             steps.append(SeqStep(s.seq_id, s.token_ids, s.start_pos, keeps[0], s.block_table[keeps[0]:], s.sample,
                                  s.prompt_logprobs, s.forks, s.draft_token_ids,
-                                 [(k, t[k:]) for k, t in zip(keeps[1:], now[1:])]))
+                                 [(k, t[k:]) for k, t in zip(keeps[1:], now[1:])], s.lora_id))
         return StepDelta([NewSeq(n.seq_id, n.index, n.prompt_ids, n.params) for n in so.new_seqs], steps,
-                         so.finished_seq_ids, so.blocks_to_swap_out, so.blocks_to_copy, so.blocks_to_swap_in)
+                         so.finished_seq_ids, so.blocks_to_swap_out, so.blocks_to_copy, so.blocks_to_swap_in,
+                         lora or [])
 
 
 class Receiver:
@@ -58,6 +59,6 @@ class Receiver:
             now = [h[:keep] + blocks for h, (keep, blocks) in zip(held, [(s.keep, s.blocks), *s.groups])]
             tables[s.seq_id] = now
             scheduled.append(ScheduledSeq(s.seq_id, s.token_ids, s.start_pos, now[0], s.sample, s.prompt_logprobs,
-                                          s.forks, s.draft_token_ids, group_tables=now[1:]))
+                                          s.forks, s.draft_token_ids, lora_id=s.lora_id, group_tables=now[1:]))
         return SchedulerOutput(scheduled, [NewSequence(n.seq_id, n.index, n.prompt_ids, n.params) for n in d.new],
                                d.finished, d.swap_out, d.copy, d.swap_in)

@@ -169,6 +169,7 @@ def _settings(cfg: EngineConfig) -> dict[str, Any]:
     """The flat settings a worker builds its shard from (the model, cache and parallel groups)."""
     out = {f.name: getattr(group, f.name) for group in (cfg.model, cfg.cache, cfg.parallel) for f in fields(group)}
     out["model_path"] = None  # the worker is given the folder itself
+    out["enable_lora"], out["max_lora_rank"] = cfg.lora.enable_lora, cfg.lora.max_lora_rank  # adapters: StepDelta.lora
     out["preemption_mode"] = cfg.scheduler.preemption_mode
     return out
 
@@ -191,6 +192,7 @@ class TensorParallelExecutor:
         self.folder = socket_folder or scratch_folder("pier-llm-tp-")
         self.runner: ModelRunner | None = None
         self.shipper = Shipper()
+        self.lora_ops: Callable[[], list[tuple[int, str]]] = list  # the engine's LoRAManager.take_ops, with LoRA
         one_machine = self.local == group.size
         host, port = ("127.0.0.1", 0) if one_machine else (par.master_addr, par.master_port)
         self.store = dist.TCPStore(host, port, group.size, is_master=True, wait_for_workers=False,
@@ -261,7 +263,7 @@ class TensorParallelExecutor:
         assert self.runner is not None
         if self.failure is not None:
             raise RankFailed(self.failure)
-        data = encode(self.shipper.delta(so))
+        data = encode(self.shipper.delta(so, self.lora_ops()))
         for w in self.workers:
             if w.link is not None:
                 w.link.send(data)

@@ -56,6 +56,7 @@ class SeqStep(Message):
     forks: list[tuple[str, int]]
     draft_token_ids: list[int]
     groups: list[tuple[int, list[int]]]  # (keep, blocks) of each KV cache group's table after the first
+    lora_id: int  # the LoRA adapter it runs (0: the base model)
 
 
 class StepDelta(Message):
@@ -65,6 +66,9 @@ class StepDelta(Message):
     swap_out: list[tuple[int, int]]
     copy: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    # LoRA adapters rank 0 installed or evicted since the last step, in order (lora.py's LoRAOp):
+    # (id, path) read and install it, (id, "") evict it; a worker does so before the step
+    lora: list[tuple[int, str]]
 
 
 class Shutdown(Message):

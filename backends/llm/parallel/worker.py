@@ -45,6 +45,8 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
 
     from ..config import EngineConfig
     from ..engine import _device, build_runner
+    from ..layers.lora import LoRABatch
+    from ..lora import LoRALayers
     from ..models import registry
     from .delta import Receiver
     from .group import ParallelGroup
@@ -62,6 +64,10 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
         group = ParallelGroup(init.rank, init.size, device)
         runner = build_runner(folder, cfg, model_cls, mc, device, init.max_model_len, tuple(init.eos_ids), None,
                               group)
+        lora = None
+        if cfg.lora.enable_lora:  # this rank's share of the adapters rank 0 installs (StepDelta.lora)
+            runner.lora = LoRABatch()
+            lora = LoRALayers(runner.model, cfg.lora.max_lora_rank, runner.lora)
     except Exception as e:  # noqa: BLE001 - rank 0 fails the load with it
         return fail(e)
     outbox.send(encode(WorkerReady(init.rank, runner.num_blocks)))
@@ -79,6 +85,12 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
         while True:
             msg = TO_WORKER.decode(receive())
             if isinstance(msg, StepDelta):
+                for lid, path in msg.lora:
+                    assert lora is not None, "LoRA adapters shipped to a rank without enable_lora"
+                    if path:
+                        lora.install(lid, lora.read(Path(path)))
+                    else:
+                        lora.evict(lid)
                 runner.execute(receiver.output(msg))
             elif isinstance(msg, Shutdown):
                 return 0

@@ -21,7 +21,7 @@ from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
 from .gguf_files import write_gguf
 from .quant_checkpoints import fp8_pair, quantized_pair
-from .tiny_model import ARCHITECTURES, build_model, hf_greedy
+from .tiny_model import ARCHITECTURES, build_adapter, build_model, hf_greedy, peft_greedy
 
 TOKENS = 16
 BLOCKS = 40  # of 4 tokens: the prompts below do not all fit at once, so the scheduler preempts
@@ -172,6 +172,76 @@ def test_quantized_weights_split_across_two_ranks(fmt, llama_dir, tmp_path):
     finally:
         two.close()
     _close(ref, got)
+
+
+def test_lora_adapters_split_across_two_ranks(llama_dir, tmp_path):
+    """LoRA with 2 ranks: each rank holds its share of every adapter (B's rows of the column-parallel
+    projections, A's columns of the row-parallel ones), installed and evicted as rank 0 does them
+    (StepDelta.lora): a startup adapter, one loaded at run time, one read again after its eviction
+    (max_cpu_loras 2 of 3 served), base rows beside adapter rows in one step. Outputs equal 1 rank's
+    (logprobs within 2e-3) and PEFT's greedy tokens."""
+    from pier.backends.llm.config import LoRAModulePath
+
+    a1 = build_adapter(llama_dir, tmp_path / "a1", 1, r=8, alpha=16)
+    a2 = build_adapter(llama_dir, tmp_path / "a2", 2, r=4, alpha=8, use_rslora=True,
+                       targets=("q_proj", "v_proj", "down_proj"))
+    a3 = build_adapter(llama_dir, tmp_path / "a3", 3, r=8, alpha=8, targets=("k_proj", "o_proj", "gate_proj"))
+    prompts = _prompts()[:3]
+    names = [None, "a1", "a2", "a3"]
+    settings = dict(SMALL, enable_lora=True, max_loras=2, max_cpu_loras=2,
+                    lora_modules=(LoRAModulePath("a1", str(a1)),))
+
+    def run(eng: LLMEngine) -> list[tuple[list[int], list, list]]:
+        eng.load_lora("a2", a2)
+        eng.load_lora("a3", a3)
+        out = []
+        for wave in range(2):  # the second wave reads the evicted adapters again
+            for i, p in enumerate(prompts):
+                for n in names[i:] + names[:i]:
+                    eng.add_request(f"{wave}{i}{n}", p, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                     ignore_eos=True, logprobs=2, lora_name=n))
+            got: dict[str, tuple[list[int], list, list]] = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    t, lp, _ = got.setdefault(o.request_id, ([], [], []))
+                    t.extend(o.token_ids)
+                    lp.extend(o.logprobs or [])
+            out += [got[k] for k in sorted(got)]
+        return out
+
+    one = LLMEngine(llama_dir, EngineConfig(kv_cache_memory_bytes=_kv_bytes(llama_dir, 1), **settings))  # type: ignore[arg-type]
+    ref = run(one)
+    two = LLMEngine(llama_dir, EngineConfig(tensor_parallel_size=2, kv_cache_memory_bytes=_kv_bytes(llama_dir, 2),
+                                            **settings))  # type: ignore[arg-type]
+    shipped: list[tuple[int, str]] = []
+    assert two.executor is not None
+    take = two.executor.lora_ops
+
+    def noted() -> list[tuple[int, str]]:
+        ops = take()
+        shipped.extend(ops)
+        return ops
+
+    two.executor.lora_ops = noted
+    try:
+        got = run(two)
+        first = next(i for i, (_, path) in enumerate(shipped) if not path)  # an eviction, and that adapter read again
+        assert (shipped[first][0], "") in shipped and any(lid == shipped[first][0] and path
+                                                           for lid, path in shipped[first:])
+        shares = two.lora.layers.methods  # type: ignore[union-attr]
+        qkv = two.model.layers[0].qkv_proj  # type: ignore[attr-defined]
+        down = two.model.layers[0].down_proj  # type: ignore[attr-defined]
+        assert shares[id(qkv)].weights and shares[id(down)].weights  # the adapters resident now
+        for a, b in shares[id(qkv)].weights.values():  # column-parallel: all 64 inputs, half of q/k/v's 128 outputs
+            assert a.shape[0] == 64 and b.shape[1] == qkv.output_size == 64
+        for a, b in shares[id(down)].weights.values():  # row-parallel: half of its 128 inputs, all 64 outputs
+            assert a.shape[0] == down.input_size == 64 and b.shape[1] == 64
+    finally:
+        two.close()
+    _close(ref, got)
+    order = sorted(f"{w}{i}{n}" for w in range(2) for i in range(3) for n in names)
+    want = {n: peft_greedy(llama_dir, {"a1": a1, "a2": a2, "a3": a3}.get(n or ""), prompts, TOKENS) for n in names}
+    assert [t for t, _, _ in got] == [want[None if k[2:] == "None" else k[2:]][int(k[1])] for k in order]
 
 
 def test_an_act_order_checkpoint_does_not_split_its_row_parallel_inputs(llama_dir, tmp_path):
