@@ -33,7 +33,7 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 def _copy_folder(src: Path, dst: Path, tensors: dict[str, torch.Tensor], qconfig: dict | None) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     if qconfig is not None:
