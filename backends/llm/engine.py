@@ -119,6 +119,9 @@ def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc:
     prepare = None if group is None else (lambda m: shard.shard_model(m, group))
     quant = registry.resolve_quantization(folder, model.quantization)
     draft = None  # speculative decoding's draft model: same tokenizer, same dtype and device
+    # its shape alone: tensor parallelism runs the draft model (whole) on rank 0 only, and the other
+    # ranks budget its KV blocks alike, so that every rank has the same number of blocks
+    draft_shape: CausalLM | None = None
     found_scales: dict[int, dict[str, float]] = {}  # the checkpoint's KV cache scales (kv_fp8.py)
     with gemm_dtype(gemm):
         lm = registry.load_model(folder, model_cls, mc, dtype, device, max_model_len + 1, progress, prepare, quant,
@@ -127,18 +130,22 @@ def build_runner(folder: Path, cfg: EngineConfig, model_cls: type[CausalLM], mc:
             dfolder = draft_folder(spec.model, folder)
             check_tokenizers(folder, dfolder)
             draft_cls, draft_mc = registry.resolve(dfolder)
-            draft = registry.load_model(dfolder, draft_cls, draft_mc, dtype, device, max_model_len + 1, progress)
+            if group is None or group.first:
+                draft = draft_shape = registry.load_model(dfolder, draft_cls, draft_mc, dtype, device,
+                                                          max_model_len + 1, progress)
+            else:
+                draft_shape = draft_cls(draft_mc, dtype, device, max_model_len + 1)  # type: ignore[call-arg]
     kv_dtype = kv_fp8.cache_dtype(cache.kv_cache_dtype)  # None: the model's dtype
     kv_scales = None if kv_dtype is None else kv_fp8.layer_scales(len(lm.kv_cache_specs()), found_scales)
     # an FP8 cache is the served model's; a draft model keeps its caches in the model's dtype
     per_block = kv_bytes_per_block(lm, cache.block_size, kv_dtype) + (
-        0 if draft is None else kv_bytes_per_block(draft, cache.block_size))
+        0 if draft_shape is None else kv_bytes_per_block(draft_shape, cache.block_size))
     num_blocks = _kv_budget(cache, device) // per_block
     num_cpu = cache.swap_space_bytes // per_block if cfg.scheduler.preemption_mode == "swap" else 0
     ops = None
     if (model.attention == "auto" and device.type == "cpu" and dtype == torch.float32
             and cache.block_size <= 64 and mc.head_dim % 4 == 0
-            and (draft is None or draft.config.head_dim % 4 == 0)):
+            and (draft_shape is None or draft_shape.config.head_dim % 4 == 0)):
         if progress is not None:
             progress(LoadProgress("building the CPU kernels (compiled once, then cached)"))
         ops = kernels.load()
@@ -179,9 +186,6 @@ class LLMEngine:
         group = None
         if par.tensor_parallel_size > 1:
             shard.check(mc, par.tensor_parallel_size)  # before any rank starts
-            if spec is not None and spec.model is not None:
-                raise ValueError("speculative_config: a draft model is not served with tensor_parallel_size > 1 yet "
-                                 "(the n-gram method is)")
             group = ParallelGroup(0, par.tensor_parallel_size, self.device)
             self.executor = TensorParallelExecutor(folder, cfg, group, self.eos_ids, threads, self.max_model_len,
                                                    socket_folder, progress)

@@ -109,22 +109,34 @@ class ModelRunner:
         return (torch.zeros((kvh, num_blocks, *k_block), dtype=spec.dtype, device=device, pin_memory=pin),
                 torch.zeros((kvh, num_blocks, bs, hd), dtype=spec.dtype, device=device, pin_memory=pin))
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        """Update the sequences' states, do the block moves, run the forward, then sample (or pool)
-        for each sequence whose chunk reached its end. `grammar`: structured output's bitmask for
-        the sampling sequences that have a grammar."""
-        out = ModelRunnerOutput()
+        """`prepare`, then `run`: the step whole."""
+        self.prepare(so)
+        return self.run(so, grammar)
+
+    @torch.inference_mode()
+    def prepare(self, so: SchedulerOutput) -> None:
+        """Update the sequences' states, do the block moves, and have the draft model fill in the
+        drafts the scheduler made room for (tensor parallelism: rank 0 does this before it ships the
+        step, so the other ranks run the same tokens)."""
         for sid in so.finished_seq_ids:
             self.states.pop(sid, None)
         dev = self.model.device
         for new in so.new_seqs:
             self.states[new.seq_id] = SamplingState.new(new.params, new.index, new.prompt_ids, dev)
         self._move_blocks(so)
+        if self.drafter is not None and so.scheduled:
+            self.drafter.propose(self.forward, so)
+
+    @torch.inference_mode()
+    def run(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run the forward over a prepared step, then sample (or pool) for each sequence whose chunk
+        reached its end. `grammar`: structured output's bitmask for the sampling sequences that have
+        a grammar."""
+        out = ModelRunnerOutput()
         if not so.scheduled:
             return out
-        if self.drafter is not None:  # the draft model fills in the drafts the scheduler made room for
-            self.drafter.propose(self.forward, so)
+        dev = self.model.device
         hidden, sampling, lp_rows = self.forward(so)
         for s, a, n in lp_rows:
             out.prompt_logprobs[s.seq_id] = self._prompt_logprobs(s, hidden[a : a + n])

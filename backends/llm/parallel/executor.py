@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,8 @@ def _settings(cfg: EngineConfig) -> dict[str, Any]:
     out["model_path"] = None  # the worker is given the folder itself
     out["enable_lora"], out["max_lora_rank"] = cfg.lora.enable_lora, cfg.lora.max_lora_rank  # adapters: StepDelta.lora
     out["preemption_mode"] = cfg.scheduler.preemption_mode
+    spec = cfg.scheduler.speculative_config  # a draft model's KV blocks: each rank budgets them alike
+    out["speculative_config"] = None if spec is None else asdict(spec)
     return out
 
 
@@ -259,10 +261,12 @@ class TensorParallelExecutor:
             os.write(self._wake_w, b"x")
 
     def execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        """Ship the step to the workers, run rank 0's shard of it; RankFailed once a rank is lost."""
+        """Ship the step to the workers (prepared: a draft model's drafts filled in, on rank 0 alone),
+        run rank 0's shard of it; RankFailed once a rank is lost."""
         assert self.runner is not None
         if self.failure is not None:
             raise RankFailed(self.failure)
+        self.runner.prepare(so)
         data = encode(self.shipper.delta(so, self.lora_ops()))
         for w in self.workers:
             if w.link is not None:
@@ -270,7 +274,7 @@ class TensorParallelExecutor:
         if self.remote is not None:
             self.remote.send(data)
         try:
-            return self.runner.execute(so, grammar)
+            return self.runner.run(so, grammar)
         except Exception as exc:
             if self._wait_failure():
                 raise RankFailed(self.failure) from exc

@@ -48,6 +48,7 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
     from ..layers.lora import LoRABatch
     from ..lora import LoRALayers
     from ..models import registry
+    from ..spec_decode import SpeculativeConfig
     from .delta import Receiver
     from .group import ParallelGroup
     from .shm_allreduce import ShmAllReduce
@@ -58,6 +59,8 @@ def serve(init: WorkerInit, inbox: zmq.Socket, outbox: zmq.Socket,
         settings = dict(init.settings)
         folder = Path(init.model_dir)
         settings["model_path"] = folder
+        if settings.get("speculative_config") is not None:
+            settings["speculative_config"] = SpeculativeConfig(**settings["speculative_config"])
         cfg = EngineConfig(**settings)
         model_cls, mc = registry.resolve(folder)
         device = _device(cfg.parallel, init.rank)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
 from .gguf_files import write_gguf
 from .quant_checkpoints import fp8_pair, quantized_pair
-from .tiny_model import ARCHITECTURES, build_adapter, build_model, hf_greedy, peft_greedy
+from .tiny_model import ARCHITECTURES, build_adapter, build_model, hf_greedy, peft_greedy, truncated_copy
 
 TOKENS = 16
 BLOCKS = 40  # of 4 tokens: the prompts below do not all fit at once, so the scheduler preempts
@@ -242,6 +243,39 @@ def test_lora_adapters_split_across_two_ranks(llama_dir, tmp_path):
     order = sorted(f"{w}{i}{n}" for w in range(2) for i in range(3) for n in names)
     want = {n: peft_greedy(llama_dir, {"a1": a1, "a2": a2, "a3": a3}.get(n or ""), prompts, TOKENS) for n in names}
     assert [t for t, _, _ in got] == [want[None if k[2:] == "None" else k[2:]][int(k[1])] for k in order]
+
+
+def test_a_draft_model_on_rank_0_drafts_for_two_ranks(llama_dir, tmp_path):
+    """Speculative decoding with a draft model (a one-layer copy of the target) on 2 ranks: rank 0
+    runs the draft model whole and ships the step with its drafts filled in; every rank budgets the
+    draft's KV blocks alike. Greedy output equals 1 rank's and transformers', drafts accepted and
+    rejected, with preemption."""
+    from pier.backends.llm.spec_decode import SpeculativeConfig
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in llama_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    truncated_copy(folder, folder / "trunc", 1)
+    spec = SpeculativeConfig(3, method="draft_model", model="trunc")
+    prompts = _prompts()
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    settings = dict(SMALL, speculative_config=spec)
+    one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **settings))  # type: ignore[arg-type]
+    ref = [o[0] for o in one.generate(prompts, greedy)]
+    two = LLMEngine(folder, EngineConfig(tensor_parallel_size=2, kv_cache_memory_bytes=_kv_bytes(folder, 2),
+                                         **settings))  # type: ignore[arg-type]
+    try:
+        got = [o[0] for o in two.generate(prompts, greedy)]
+        stats = two.stats()
+        assert stats.spec_decode is not None and 0 < stats.spec_decode.num_accepted_tokens < \
+            stats.spec_decode.num_draft_tokens, stats.spec_decode
+        assert stats.num_preemptions > 0
+        assert two.runner.drafter is not None  # rank 0 drafts
+    finally:
+        two.close()
+    assert got == ref == hf_greedy(folder, prompts, TOKENS)
 
 
 def test_an_act_order_checkpoint_does_not_split_its_row_parallel_inputs(llama_dir, tmp_path):
