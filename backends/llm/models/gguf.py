@@ -40,7 +40,8 @@ from .quantization import QuantConfig
 log = logging.getLogger(__name__)
 
 # GGUF's general.architecture -> the Hugging Face architecture that serves it
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 _PERMUTED = {"llama"}  # whose q/k rows llama.cpp's converter interleaves (the others rotate halves, as HF)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -50,7 +51,11 @@ _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 # a block's tensors (name.leaf) each architecture has; the others load no tensor it does not have
 _LAYER = {f"{n}.weight" for n in _BLOCK} - {"attn_q_norm.weight", "attn_k_norm.weight"}
 _LAYERS = {"llama": _LAYER, "qwen2": _LAYER | {"attn_q.bias", "attn_k.bias", "attn_v.bias"},
-           "qwen3": _LAYER | {"attn_q_norm.weight", "attn_k_norm.weight"}}
+           "qwen3": _LAYER | {"attn_q_norm.weight", "attn_k_norm.weight"},
+           "phi3": {"attn_norm.weight", "ffn_norm.weight", "attn_qkv.weight", "attn_output.weight", "ffn_up.weight",
+                    "ffn_down.weight"}}
+# Phi-3's q/k/v and gate/up come fused, as in its Hugging Face checkpoints (models/phi3.py splits them)
+_FUSED = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _ROPE_FREQS = "rope_freqs.weight"  # read into the config, not a weight
 # tokenizer.ggml.pre -> the expression llama.cpp (llama-vocab.cpp) splits the text with before the
 # byte-level BPE, in the form Hugging Face's tokenizer.json writes it; None: GPT-2's own expression.
@@ -134,6 +139,12 @@ def config(path: Path) -> dict[str, Any]:
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    window = _field(r, f"{arch}.attention.sliding_window")
+    if window:
+        raw["sliding_window"] = int(window)
+    rotary = _field(r, f"{arch}.rope.dimension_count")
+    if rotary and int(rotary) != raw["head_dim"]:  # a part of each head rotates (Phi-4-mini: 3/4)
+        raw["partial_rotary_factor"] = int(rotary) / raw["head_dim"]
     freqs = next((t for t in r.tensors if t.name == _ROPE_FREQS), None)
     if freqs is not None:  # one divisor per frequency: LongRoPE's factors, the same at every position
         try:
@@ -175,7 +186,8 @@ def tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
     else:
         scores = list(_field(r, "tokenizer.ggml.scores") or [0.0] * len(tokens))
         tok = _sentencepiece(tokens, merges or _merges_from_scores(tokens, scores), unk,
-                             bool(_field(r, "tokenizer.ggml.add_space_prefix", True)))
+                             bool(_field(r, "tokenizer.ggml.add_space_prefix", True)),
+                             _field(r, "general.architecture") == "phi3")
     special = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL or (t == unk and kind == "llama")]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -211,17 +223,23 @@ def _byte_level(path: Path, r: Any, tokens: list[str], merges: list[tuple[str, s
     return tok
 
 
-def _sentencepiece(tokens: list[str], merges: list[tuple[str, str]], unk: str | None, prefix_space: bool) -> Any:
-    """SentencePiece's BPE (Llama 2, Mistral): spaces as "▁", one "▁" before the text where
+def _sentencepiece(tokens: list[str], merges: list[tuple[str, str]], unk: str | None, prefix_space: bool,
+                   always_prefix: bool) -> Any:
+    """SentencePiece's BPE (Llama 2, Mistral, Phi-3): spaces as "▁", one "▁" before the text where
     `tokenizer.ggml.add_space_prefix` (the default), bytes outside the vocabulary as its <0xNN> tokens;
-    as transformers' LlamaTokenizer builds it."""
+    as transformers' LlamaTokenizer builds it, or (`always_prefix`: Phi-3, as transformers builds its
+    GGUF tokenizer) with the "▁" put before every text, one that starts with a space too."""
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
 
     tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, unk_token=unk, fuse_unk=True,
                                  byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix_space
-                                                 else "never", split=False)
+    if always_prefix:
+        steps_in = [normalizers.Prepend("\u2581")] if prefix_space else []
+        tok.normalizer = normalizers.Sequence([*steps_in, normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix_space
+                                                     else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix_space else []))
     return tok
@@ -252,7 +270,7 @@ def _hf_name(name: str, arch: str) -> str | None:
         return f"{_TOP[stem]}.{leaf}"
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and f"{parts[2]}.{leaf}" in _LAYERS[arch]:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{leaf}"
+        return f"model.layers.{parts[1]}.{_FUSED.get(arch, {}).get(parts[2]) or _BLOCK[parts[2]]}.{leaf}"
     return None
 
 

@@ -11,10 +11,22 @@ from typing import Any
 import torch
 
 from ..layers.linear import Linear
+from ..layers.quantized import PackedWeight
 from ..layers.rotary import RotaryEmbedding
 from .hf_config import ArchConfig, arch_config
 from .llama import LlamaDecoderLayer, LlamaForCausalLM
 from .loader import WeightMap
+
+
+def _packed_rows(t: PackedWeight, sizes: tuple[int, ...]) -> list[PackedWeight]:
+    """A fused quantized weight's output slices, each still packed (a GGUF file's attn_qkv, ffn_up)."""
+    out, start = [], 0
+    for n in sizes:
+        def rows(x: torch.Tensor, a: int = start, n: int = n) -> torch.Tensor:
+            return x.narrow(0, a, n)
+        out.append(t.map_rows(rows))
+        start += n
+    return out
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):
@@ -25,12 +37,13 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
         nh, nkv = cfg.num_heads, cfg.num_kv_heads
         rotate = (nh, nkv, None)
 
-        def split(linear: Linear, name: str, kind: str) -> Callable[[torch.Tensor], None]:
-            def load(t: torch.Tensor) -> None:
+        def split(linear: Linear, name: str, kind: str) -> Callable[[torch.Tensor | PackedWeight], None]:
+            def load(t: torch.Tensor | PackedWeight) -> None:
                 sizes = linear.checkpoint_sizes  # the checkpoint's, also on a tensor-parallel rank
                 if t.shape[0] != sum(sizes):
                     raise ValueError(f"{name}: {kind} has {t.shape[0]} rows, expected {sum(sizes)}")
-                for i, part in enumerate(t.split(list(sizes))):
+                parts = t.split(list(sizes)) if isinstance(t, torch.Tensor) else _packed_rows(t, sizes)
+                for i, part in enumerate(parts):
                     heads = rotate[i] if linear is self.qkv_proj else None
                     linear.load(i, part if heads is None else rope.interleave(part, heads), kind)
             return load

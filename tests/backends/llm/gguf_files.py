@@ -68,7 +68,8 @@ def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", typ
     """A 2-layer Llama (hidden 256) as one GGUF file at `path`, every projection in `kind` (or the type
     `types` gives its GGUF name), the token embedding in `embedding` (tied LM head), norms in F32; a
     byte-level BPE tokenizer (gpt2, pre-tokenizer `pre`; the byte alphabet, then one token per merge
-    of `merges`) and a chat template in its metadata. `arch` "qwen2" adds q/k/v biases; "qwen3" a norm
+    of `merges`) and a chat template in its metadata. `arch` "qwen2" adds q/k/v biases; "phi3" fuses
+    q/k/v and gate/up; "qwen3" a norm
     over each head of q and of k and 2 heads of 128 (transformers reads no head size from a GGUF file
     and takes Qwen3's 128); `rope_freqs`: llama.cpp's per-frequency RoPE divisors (Llama 3.1's scaling).
     `sentencepiece`: a SentencePiece vocabulary instead (tokenizer "llama", as Llama 2's and Mistral's
@@ -122,9 +123,13 @@ def write_gguf(path: Path, kind: str, seed: int = 0, embedding: str = "F32", typ
     for i in range(LAYERS):
         w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, scale=0.2))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, scale=0.2))
-        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv_heads * head, HIDDEN)),
-                            ("attn_v", (kv_heads * head, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
-                            ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))):
+        projections = (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv_heads * head, HIDDEN)),
+                       ("attn_v", (kv_heads * head, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+                       ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN)))
+        if arch == "phi3":  # q/k/v and gate/up fused, as llama.cpp writes Phi-3
+            projections = (("attn_qkv", (HIDDEN + 2 * kv_heads * head, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+                           ("ffn_up", (2 * FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN)))
+        for name, shape in projections:
             full = f"blk.{i}.{name}.weight"
             _tensor(w, full, normal(*shape), (types or {}).get(full, kind), rng)
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):

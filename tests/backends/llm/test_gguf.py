@@ -225,3 +225,26 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_transformers(tmp_path, prompts)
     assert pieces == ["▁hello", "▁world"]
     assert tok.encode("é", add_special_tokens=False) == [259, 3 + 0xC3, 3 + 0xA9]  # "▁", then its UTF-8 bytes
     assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12)
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q4_K"])
+def test_a_phi3_file_equals_transformers(tmp_path, prompts, kind):
+    """Phi-3 (llama.cpp writes q/k/v and gate/up fused, and a SentencePiece vocabulary): the fused
+    projections are split still packed, and, as transformers builds Phi-3's GGUF tokenizer, every text
+    gets a "▁" before it, one that starts with a space too."""
+    import transformers
+
+    folder = tmp_path / kind
+    write_gguf(folder / "model.gguf", kind, arch="phi3", sentencepiece=_PIECES)
+    eng = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=4 << 20))
+    assert type(eng.model).__name__ == "Phi3ForCausalLM"
+    if kind != "F32":
+        assert all(isinstance(lin.weight, PackedWeight) for layer in eng.model.layers  # type: ignore[attr-defined]
+                   for lin in layer.linears)
+    # transformers' Phi3Config pads with id 32000 unless told (the file's vocabulary has 320)
+    assert [o[0] for o in eng.generate(prompts, GREEDY)] == _hf_greedy(folder, prompts, 12, pad_token_id=0)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder, gguf_file="model.gguf")
+    for text in _SPM_TEXTS:
+        assert eng.tokenizer.encode(text) == theirs.encode(text), text
+    leading = eng.tokenizer.encode("  hello", add_special_tokens=False)
+    assert theirs.convert_ids_to_tokens(leading)[:2] == ["▁▁", "▁hello"]

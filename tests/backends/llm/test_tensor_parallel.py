@@ -141,12 +141,12 @@ def test_two_ranks_equal_one(arch, llama_dir, qwen3_dir, phi3_dir, moe_dirs):
     _close(ref, got)
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq", "int8", "fp8-block", "gguf-Q4_K", "gguf-Q6_K"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "int8", "fp8-block", "gguf-Q4_K", "gguf-Q6_K", "gguf-phi3-Q4_K"])
 def test_quantized_weights_split_across_two_ranks(fmt, llama_dir, tmp_path):
     """A quantized checkpoint on two ranks gives what it gives on one: each rank keeps its rows of the
     column-parallel projections and whole groups of the row-parallel ones' columns, still packed
-    (GPTQ/AWQ 4-bit in groups of 32, FP8 in 48x32 blocks, GGUF's Q4_K and Q6_K blocks; int8 is
-    quantized after the split, per row)."""
+    (GPTQ/AWQ 4-bit in groups of 32, FP8 in 48x32 blocks, GGUF's Q4_K and Q6_K blocks, Phi-3's fused
+    ones too; int8 is quantized before the split, per row)."""
     from pier.backends.llm.layers.quantized import PackedWeight
 
     settings: dict[str, object] = {}
@@ -157,7 +157,8 @@ def test_quantized_weights_split_across_two_ranks(fmt, llama_dir, tmp_path):
     elif fmt == "int8":
         folder, settings = llama_dir, {"quantization": "int8"}
     else:
-        folder = write_gguf(tmp_path / fmt / "model.gguf", fmt.split("-")[1]).parent
+        folder = write_gguf(tmp_path / fmt / "model.gguf", fmt.split("-")[-1],  # Phi-3's: q/k/v, gate/up fused
+                            arch="phi3" if "phi3" in fmt else "llama").parent
     prompts = _prompts()
     one = LLMEngine(folder, EngineConfig(kv_cache_memory_bytes=_kv_bytes(folder, 1), **SMALL, **settings))  # type: ignore[arg-type]
     ref = _run(one, prompts)
