@@ -236,9 +236,7 @@ class LoRAManager:
 
     def __init__(self, model: Any, config: LoRAConfig, batch: LoRABatch, record: bool = False) -> None:
         self.config = config
-        self.batch = batch
         self.layers = LoRALayers(model, config.max_lora_rank, batch)
-        self.targets = self.layers.targets
         self.adapters: dict[str, Adapter] = {}
         self._next_id = 1
         self._names: dict[int, str] = {}  # every id given out -> its adapter's name

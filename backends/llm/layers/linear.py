@@ -207,8 +207,7 @@ class Linear:
         if sp is not None and isinstance(weight, PackedWeight):  # its codes and scales, still packed
             start, length = sp.parts[index if not sp.row else 0]
             try:
-                weight = (weight.columns(start, length) if sp.row else
-                          weight.map_rows(lambda t: t.narrow(0, start, length).clone()))
+                weight = weight.columns(start, length) if sp.row else weight.rows(start, length)
             except ValueError as exc:
                 raise ValueError(f"{self.name}: {exc}") from None
         elif sp is not None and isinstance(weight, torch.Tensor):

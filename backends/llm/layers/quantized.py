@@ -114,6 +114,11 @@ class PackedWeight:
         of a [N, ...] tensor, such as RoPE's pair layout)."""
         return replace(self, q=fn(self.q), scales=fn(self.scales), zeros=fn(self.zeros))
 
+    def rows(self, start: int, length: int) -> PackedWeight:
+        """Output rows [start, start + length) (a column-parallel rank's share, a fused projection's
+        slice), copied: the whole weight is not kept alive."""
+        return self.map_rows(lambda t: t.narrow(0, start, length).clone())
+
     def columns(self, start: int, length: int) -> PackedWeight:
         """Input columns [start, start + length) (a row-parallel rank's share): whole groups of them, and
         whole 32-code chunks of 4-bit codes; a weight with one group per row keeps its scales. ValueError

@@ -18,17 +18,6 @@ from .llama import LlamaDecoderLayer, LlamaForCausalLM
 from .loader import WeightMap
 
 
-def _packed_rows(t: PackedWeight, sizes: tuple[int, ...]) -> list[PackedWeight]:
-    """A fused quantized weight's output slices, each still packed (a GGUF file's attn_qkv, ffn_up)."""
-    out, start = [], 0
-    for n in sizes:
-        def rows(x: torch.Tensor, a: int = start, n: int = n) -> torch.Tensor:
-            return x.narrow(0, a, n)
-        out.append(t.map_rows(rows))
-        start += n
-    return out
-
-
 class Phi3DecoderLayer(LlamaDecoderLayer):
     def weights(self, prefix: str, rope: RotaryEmbedding, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
                 into: WeightMap) -> None:
@@ -42,7 +31,9 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
                 sizes = linear.checkpoint_sizes  # the checkpoint's, also on a tensor-parallel rank
                 if t.shape[0] != sum(sizes):
                     raise ValueError(f"{name}: {kind} has {t.shape[0]} rows, expected {sum(sizes)}")
-                parts = t.split(list(sizes)) if isinstance(t, torch.Tensor) else _packed_rows(t, sizes)
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]  # a quantized one stays packed
+                parts = (t.split(list(sizes)) if isinstance(t, torch.Tensor) else
+                         [t.rows(a, n) for a, n in zip(starts, sizes, strict=True)])
                 for i, part in enumerate(parts):
                     heads = rotate[i] if linear is self.qkv_proj else None
                     linear.load(i, part if heads is None else rope.interleave(part, heads), kind)

@@ -4,6 +4,7 @@ last saw them, so only their change travels."""
 
 from __future__ import annotations
 
+from ..lora import LoRAOp
 from ..scheduler_output import NewSequence, ScheduledSeq, SchedulerOutput
 from .messages import NewSeq, SeqStep, StepDelta
 
@@ -25,7 +26,7 @@ class Shipper:
     def __init__(self) -> None:
         self.tables: dict[str, list[list[int]]] = {}  # every KV cache group's (kv_groups.py)
 
-    def delta(self, so: SchedulerOutput, lora: list[tuple[int, str]] | None = None) -> StepDelta:
+    def delta(self, so: SchedulerOutput, lora: list[LoRAOp] | None = None) -> StepDelta:
         tables = self.tables
         for sid in so.finished_seq_ids:
             tables.pop(sid, None)

@@ -39,6 +39,7 @@ from pier.ipc.messages import BadMessage, encode
 from pier.ipc.supervisor import Readers, Supervisor
 
 from ..config import EngineConfig
+from ..lora import LoRAOp
 from ..model_runner import ModelRunner
 from ..outputs import ModelRunnerOutput
 from ..scheduler_output import GrammarBitmask, SchedulerOutput
@@ -194,7 +195,7 @@ class TensorParallelExecutor:
         self.folder = socket_folder or scratch_folder("pier-llm-tp-")
         self.runner: ModelRunner | None = None
         self.shipper = Shipper()
-        self.lora_ops: Callable[[], list[tuple[int, str]]] = list  # the engine's LoRAManager.take_ops, with LoRA
+        self.lora_ops: Callable[[], list[LoRAOp]] = list  # the engine's LoRAManager.take_ops, with LoRA
         one_machine = self.local == group.size
         host, port = ("127.0.0.1", 0) if one_machine else (par.master_addr, par.master_port)
         self.store = dist.TCPStore(host, port, group.size, is_master=True, wait_for_workers=False,

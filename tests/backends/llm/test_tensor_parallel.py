@@ -20,7 +20,7 @@ from pier.backends.llm.parallel.shm_allreduce import SHM, remove_stale
 from pier.backends.llm.sampling_params import SamplingParams
 from pier.backends.llm.scheduler_output import ScheduledSeq, SchedulerOutput
 
-from .gguf_files import write_gguf
+from .gguf_files import HEADS, HIDDEN, KV_HEADS, LAYERS, write_gguf
 from .quant_checkpoints import fp8_pair, quantized_pair
 from .tiny_model import ARCHITECTURES, build_adapter, build_model, hf_greedy, peft_greedy, truncated_copy
 
@@ -32,8 +32,9 @@ SMALL = dict(block_size=4, enable_prefix_caching=True, num_threads=1)
 def _kv_bytes(folder: Path, ranks: int) -> int:
     """kv_cache_memory_bytes for BLOCKS blocks on each of `ranks` ranks (the setting is per rank, as
     vLLM's is per device: a rank holds its share of the KV heads)."""
-    if not (folder / "config.json").exists():  # a GGUF file (tests/backends/llm/gguf_files.py's sizes)
-        cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256, "num_hidden_layers": 2}
+    if not (folder / "config.json").exists():  # a GGUF file of gguf_files.py's sizes
+        cfg = {"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "hidden_size": HIDDEN,
+               "num_hidden_layers": LAYERS}
     else:
         cfg = json.loads((folder / "config.json").read_text())
     heads = cfg["num_attention_heads"]
